@@ -1,0 +1,27 @@
+"""stratacl_jax: fabric-native collectives for JAX on an emulated NPU supernode.
+
+    import stratacl_jax as strata
+    y = strata.all_reduce(x, "npu")   # inside jax.shard_map, under jax.jit
+"""
+from . import _runtime_setup
+
+# Before anything can start JAX's CPU backend: size its thread pool so
+# multi-device programs cannot deadlock XLA:CPU (FACTS.md §1b).
+_runtime_setup.install()
+
+from . import emulator  # noqa: E402
+from ._config import config  # noqa: E402
+from ._stats import reset_stats, stats  # noqa: E402
+from .all_gather import all_gather  # noqa: E402
+from .all_reduce import all_reduce  # noqa: E402
+from .all_to_all import all_to_all  # noqa: E402
+from .broadcast import broadcast  # noqa: E402
+from .ppermute import ppermute  # noqa: E402
+from .reduce_scatter import reduce_scatter  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute",
+    "config", "stats", "reset_stats", "emulator",
+]

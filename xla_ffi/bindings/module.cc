@@ -1,0 +1,153 @@
+// nanobind module `stratacl_jax._core`: FFI handler capsules for
+// jax.ffi.register_ffi_target, the runtime's statistics and registry, and a
+// threads-as-ranks harness that drives the runtime without XLA (for tests
+// of mismatches and timeouts that a single SPMD program cannot produce).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "../algorithms/algorithms.h"
+#include "../runtime/collective.h"
+#include "../runtime/registry.h"
+#include "../runtime/stats.h"
+#include "handlers.h"
+
+namespace nb = nanobind;
+using namespace strata;
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Registrations() {
+  nb::dict d;
+  d["strata_all_reduce"] = EncapsulateFfiHandler(StrataAllReduce);
+  d["strata_all_gather"] = EncapsulateFfiHandler(StrataAllGather);
+  d["strata_reduce_scatter"] = EncapsulateFfiHandler(StrataReduceScatter);
+  d["strata_all_to_all"] = EncapsulateFfiHandler(StrataAllToAll);
+  d["strata_broadcast"] = EncapsulateFfiHandler(StrataBroadcast);
+  d["strata_ppermute"] = EncapsulateFfiHandler(StrataPermute);
+  return d;
+}
+
+nb::dict GetStats() {
+  Stats& s = GlobalStats();
+  nb::dict d;
+  d["ops"] = s.ops.load();
+  d["bytes_direct"] = s.bytes_direct.load();
+  d["bytes_staged"] = s.bytes_staged.load();
+  d["bytes_exchanged"] = s.bytes_exchanged.load();
+  d["registrations"] = s.registrations.load();
+  d["bytes_registered"] = s.bytes_registered.load();
+  d["registry_lookups"] = s.registry_lookups.load();
+  d["registry_hits"] = s.registry_hits.load();
+  d["registry_misses"] = s.registry_misses.load();
+  std::lock_guard<std::mutex> lock(s.mu);
+  d["core_bytes"] = s.core_bytes;
+  d["sdma_bytes"] = s.sdma_bytes;
+  return d;
+}
+
+OpParams MakeParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,
+                    int group_size, int64_t block_bytes, int64_t rows, int mode, int cores,
+                    int engines, int planner, int64_t comm_buffer_bytes) {
+  OpParams p;
+  p.kind = static_cast<OpKind>(kind);
+  p.dtype = static_cast<DType>(dtype);
+  p.op = static_cast<ReduceOp>(reduce_op);
+  p.root = root;
+  p.perm = std::move(perm);
+  p.group_size = group_size;
+  BlockCounts(p.kind, group_size, &p.in_blocks, &p.out_blocks);
+  p.block_bytes = block_bytes;
+  p.rows = rows;
+  p.mode = static_cast<Mode>(mode);
+  p.cores = cores;
+  p.engines = engines;
+  p.planner = static_cast<Planner>(planner);
+  p.comm_buffer_bytes = comm_buffer_bytes;
+  return p;
+}
+
+using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+// Runs one op with every rank a thread (gloo-style). `block_bytes_per_rank`
+// lets a test make ranks disagree; ranks in `absent` never call. Returns one
+// error string per rank ("" for success).
+std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
+                                  std::vector<int32_t> perm, std::vector<int64_t> block_bytes_per_rank,
+                                  int64_t rows, int mode, int cores, int engines, int planner,
+                                  int64_t comm_buffer_bytes, double timeout_s, int64_t site_id,
+                                  int64_t run_id, std::vector<Bytes> inputs, std::vector<Bytes> outputs,
+                                  std::vector<int> absent) {
+  const int n = static_cast<int>(inputs.size());
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> threads;
+  {
+    nb::gil_scoped_release release;
+    for (int r = 0; r < n; ++r) {
+      if (std::find(absent.begin(), absent.end(), r) != absent.end()) continue;
+      threads.emplace_back([&, r] {
+        OpParams p = MakeParams(kind, dtype, reduce_op, root, perm, n, block_bytes_per_rank[r], rows,
+                                mode, cores, engines, planner, comm_buffer_bytes);
+        RankCall c;
+        c.run_id = run_id;
+        c.site_id = site_id;
+        c.rank = r;
+        c.device = r;
+        c.in = inputs[r].data();
+        c.out = outputs[r].data();
+        c.timeout_s = timeout_s;
+        Status st = RunCollective(p, c);
+        if (!st.ok) errors[r] = st.message;
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  return errors;
+}
+
+nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t block_bytes,
+                  int lanes, int planner) {
+  OpParams p = MakeParams(kind, dtype, reduce_op, 0, {}, group_size, block_bytes, 1, 0, lanes,
+                          lanes, planner, 0);
+  Plan plan = BuildPartitionedPlan(p);
+  std::vector<std::vector<int64_t>> lane_bytes(group_size, std::vector<int64_t>(lanes, 0));
+  for (const LaneTask& t : plan.tasks) lane_bytes[t.npu][t.lane] += t.bytes;
+  nb::dict d;
+  d["imbalance"] = LaneImbalance(plan);
+  d["lane_bytes"] = lane_bytes;
+  d["transfers"] = plan.transfers.size();
+  d["tasks"] = plan.tasks.size();
+  return d;
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.def("registrations", &Registrations);
+  m.def("stats", &GetStats);
+  m.def("reset_stats", [] { GlobalStats().Reset(); });
+  m.def("register_region", [](int device, uintptr_t addr, int64_t len) {
+    GlobalRegistry().Register(device, addr, len);
+  });
+  m.def("deregister_region", [](int device, uintptr_t addr) {
+    GlobalRegistry().Deregister(device, addr);
+  });
+  m.def("region_registered", [](int device, uintptr_t addr, int64_t len) {
+    return GlobalRegistry().Lookup(device, addr, len);
+  });
+  m.def("region_count", [](int device) { return GlobalRegistry().RegionCount(device); });
+  m.def("live_slot_count", &LiveSlotCount);
+  m.def("run_ranks", &RunRanks);
+  m.def("plan_info", &PlanInfo);
+}

@@ -1,0 +1,64 @@
+// The entry point every FFI handler calls: one rank's part of one collective.
+// It meets the group's other ranks (rendezvous), validates that they all
+// asked for the same op, and executes the op's plan cooperatively on the
+// group's handler threads, in "strata" (direct user-buffer) or
+// "buffer_centric" (staged through pre-registered comm buffers) mode.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtypes.h"
+#include "plan.h"
+#include "status.h"
+
+namespace strata {
+
+enum class OpKind : int32_t {
+  kAllReduce = 0, kAllGather, kReduceScatter, kAllToAll, kBroadcast, kPermute,
+};
+const char* OpName(OpKind kind);
+
+enum class Mode : int32_t { kStrata = 0, kBufferCentric = 1 };
+
+// What the op is. Identical on every rank of a group; checked at rendezvous.
+struct OpParams {
+  OpKind kind = OpKind::kAllReduce;
+  DType dtype = DType::F32;
+  ReduceOp op = ReduceOp::kNone;
+  int32_t root = 0;
+  std::vector<int32_t> perm;  // ppermute: flattened (source, destination) pairs
+  int32_t group_size = 1;
+  int64_t in_blocks = 1, out_blocks = 1, block_bytes = 0, rows = 1;
+  Mode mode = Mode::kStrata;
+  int32_t cores = 1, engines = 1;
+  Planner planner = Planner::kBalanced;
+  int64_t comm_buffer_bytes = 200 << 20;
+
+  std::string Describe() const;  // for mismatch errors
+  bool SameOp(const OpParams& o) const;
+  std::string PlanKey() const;  // everything a plan depends on
+};
+
+// Who is calling, and with which buffers.
+struct RankCall {
+  int64_t run_id = 0;   // one XLA execution
+  int64_t site_id = 0;  // one call site in the traced program
+  int32_t group_id = 0;
+  int32_t rank = 0;
+  int32_t device = 0;
+  const void* in = nullptr;
+  void* out = nullptr;
+  double timeout_s = 60.0;
+};
+
+Status RunCollective(const OpParams& params, const RankCall& call);
+
+// The plan of an op, as the runtime would build it (for tests and tools).
+Plan BuildPartitionedPlan(const OpParams& params);
+
+// Live rendezvous slots (for tests: a finished or failed op leaves none
+// behind apart from tombstones of aborted ones).
+int64_t LiveSlotCount();
+
+}  // namespace strata

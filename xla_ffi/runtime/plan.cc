@@ -1,0 +1,125 @@
+#include "plan.h"
+
+#include <algorithm>
+
+namespace strata {
+
+void Plan::Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts) {
+  Transfer t;
+  t.src_begin = static_cast<uint32_t>(refs.size());
+  t.src_count = static_cast<uint32_t>(srcs.size());
+  refs.insert(refs.end(), srcs.begin(), srcs.end());
+  t.dst_begin = static_cast<uint32_t>(refs.size());
+  t.dst_count = static_cast<uint32_t>(dsts.size());
+  refs.insert(refs.end(), dsts.begin(), dsts.end());
+  transfers.push_back(t);
+}
+
+namespace {
+
+inline int64_t AlignDown(int64_t v, int64_t a) { return v / a * a; }
+
+// Bytes read + written per column of a transfer.
+inline int64_t BytesPerColumn(const Transfer& t) { return t.src_count + t.dst_count; }
+
+}  // namespace
+
+void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes) {
+  const int64_t m = plan.block_bytes;
+  const int n = plan.num_ranks;
+  // Element alignment is the hard constraint; cache lines are the soft one.
+  const int64_t esize = static_cast<int64_t>(DTypeSize(plan.dtype));
+  align = std::max<int64_t>(align / esize * esize, esize);
+
+  // 1. Each transfer's columns are shared evenly by its destination ranks.
+  std::vector<std::vector<Piece>> by_npu(n);
+  for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti) {
+    const Transfer& t = plan.transfers[ti];
+    const int64_t shares = t.dst_count;
+    for (int64_t s = 0; s < shares; ++s) {
+      int64_t c0 = std::min(m, AlignDown(m * s / shares, align));
+      int64_t c1 = s + 1 == shares ? m : std::min(m, AlignDown(m * (s + 1) / shares, align));
+      if (c1 <= c0) continue;
+      int32_t npu = plan.refs[t.dst_begin + s].rank;
+      by_npu[npu].push_back({ti, npu, c0, c1});
+    }
+  }
+
+  // 2. Each NPU's pieces are split over its lanes.
+  plan.pieces.clear();
+  plan.tasks.clear();
+  plan.lanes_per_npu = lanes;
+  for (int npu = 0; npu < n; ++npu) {
+    const auto& mine = by_npu[npu];
+    if (mine.empty()) continue;
+    if (planner == Planner::kNaive) {
+      // Piece i to lane i % lanes, unsplit: the per-peer loop.
+      std::vector<std::vector<Piece>> lane_pieces(lanes);
+      for (size_t i = 0; i < mine.size(); ++i) lane_pieces[i % lanes].push_back(mine[i]);
+      for (int l = 0; l < lanes; ++l) {
+        if (lane_pieces[l].empty()) continue;
+        LaneTask task{npu, l, static_cast<uint32_t>(plan.pieces.size()), 0, 0};
+        for (const Piece& p : lane_pieces[l]) {
+          task.bytes += (p.col_end - p.col_begin) * BytesPerColumn(plan.transfers[p.transfer]);
+          plan.pieces.push_back(p);
+        }
+        task.piece_end = static_cast<uint32_t>(plan.pieces.size());
+        plan.tasks.push_back(task);
+      }
+      continue;
+    }
+    int64_t total = 0;
+    for (const Piece& p : mine) total += (p.col_end - p.col_begin) * BytesPerColumn(plan.transfers[p.transfer]);
+    const int64_t used = std::max<int64_t>(1, std::min<int64_t>(lanes, total / std::max<int64_t>(1, min_lane_bytes)));
+    // Walk the pieces, cutting whenever the running byte count passes the
+    // next lane's quota; the cut is snapped to an aligned column.
+    size_t pi = 0;
+    int64_t col = mine.empty() ? 0 : mine[0].col_begin;
+    int64_t done = 0;
+    for (int64_t l = 0; l < used && pi < mine.size(); ++l) {
+      const int64_t quota_end = l + 1 == used ? total : total * (l + 1) / used;
+      LaneTask task{npu, static_cast<int32_t>(l), static_cast<uint32_t>(plan.pieces.size()), 0, 0};
+      while (pi < mine.size() && done < quota_end) {
+        const Piece& p = mine[pi];
+        const int64_t bpc = BytesPerColumn(plan.transfers[p.transfer]);
+        const int64_t want_cols = (quota_end - done + bpc - 1) / bpc;
+        int64_t end = std::min(p.col_end, col + want_cols);
+        if (end < p.col_end && l + 1 != used) {
+          int64_t snapped = p.col_begin + AlignDown(end - p.col_begin, align);
+          end = snapped > col ? snapped : std::min(p.col_end, col + align);
+        }
+        if (l + 1 == used) end = p.col_end;
+        plan.pieces.push_back({p.transfer, npu, col, end});
+        task.bytes += (end - col) * bpc;
+        done += (end - col) * bpc;
+        col = end;
+        if (col >= p.col_end) {
+          ++pi;
+          if (pi < mine.size()) col = mine[pi].col_begin;
+        }
+      }
+      task.piece_end = static_cast<uint32_t>(plan.pieces.size());
+      if (task.piece_end > task.piece_begin) plan.tasks.push_back(task);
+    }
+  }
+}
+
+double LaneImbalance(const Plan& plan) {
+  if (plan.tasks.empty()) return 1.0;
+  // Lanes of one NPU work in parallel: the NPU finishes with its busiest
+  // lane. Compare that with a perfect split of the NPU's bytes over all lanes.
+  std::vector<int64_t> busiest(plan.num_ranks, 0), total(plan.num_ranks, 0);
+  for (const LaneTask& t : plan.tasks) {
+    busiest[t.npu] = std::max(busiest[t.npu], t.bytes);
+    total[t.npu] += t.bytes;
+  }
+  double worst = 1.0;
+  for (int i = 0; i < plan.num_ranks; ++i) {
+    if (total[i] == 0) continue;
+    double mean = static_cast<double>(total[i]) / plan.lanes_per_npu;
+    worst = std::max(worst, busiest[i] / mean);
+  }
+  return worst;
+}
+
+}  // namespace strata

@@ -1,0 +1,76 @@
+// A collective as data: which blocks of which ranks' inputs are combined into
+// which blocks of which ranks' outputs, and how that work is split over each
+// NPU's vector cores or DMA engines ("lanes").
+//
+// Layout every op is normalised to (the Python layer moves axes so it holds):
+//   input  of each rank: [rows, in_blocks,  block_bytes]
+//   output of each rank: [rows, out_blocks, block_bytes]
+// `rows` is 1 except under vmap, where batch dims lead. A transfer moves the
+// same column range of every row, so one plan serves any batch size.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dtypes.h"
+
+namespace strata {
+
+struct BlockRef {
+  int32_t rank;
+  int32_t block;
+};
+
+// Reduce (or copy, with one source) `srcs` into every one of `dsts`.
+// No sources means the destinations are zero-filled (ppermute's silent ranks).
+struct Transfer {
+  uint32_t src_begin, src_count;  // into Plan::refs
+  uint32_t dst_begin, dst_count;
+};
+
+enum class Planner : int32_t { kBalanced = 0, kNaive = 1 };
+
+// One lane's share of one transfer: columns [col_begin, col_end) of all rows.
+struct Piece {
+  uint32_t transfer;
+  int32_t executor;  // the NPU doing it
+  int64_t col_begin, col_end;
+};
+
+// A unit of host work: lane `lane` of NPU `npu` runs pieces [begin, end).
+struct LaneTask {
+  int32_t npu, lane;
+  uint32_t piece_begin, piece_end;
+  int64_t bytes;  // read + written, per row
+};
+
+struct Plan {
+  int32_t num_ranks = 0;
+  int64_t in_blocks = 0, out_blocks = 0, block_bytes = 0;
+  DType dtype = DType::F32;
+  ReduceOp op = ReduceOp::kNone;  // kNone: pure data movement (goes to SDMA)
+  std::vector<BlockRef> refs;
+  std::vector<Transfer> transfers;
+
+  // Filled by Partition():
+  int32_t lanes_per_npu = 0;
+  std::vector<Piece> pieces;
+  std::vector<LaneTask> tasks;
+
+  bool is_reduction() const { return op != ReduceOp::kNone; }
+  void Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts);
+};
+
+// Splits every transfer's columns over its destination ranks (each computes a
+// share and writes it to all destinations), then splits each NPU's pieces
+// over `lanes` lanes. kBalanced gives every lane an equal share of bytes,
+// cut at `align`-byte column boundaries; kNaive gives each piece whole to
+// lane (index mod lanes), which is what a per-peer loop does. Lanes carry at
+// least `min_lane_bytes` so tiny messages do not fan out into empty work.
+void Partition(Plan& plan, int lanes, Planner planner, int64_t align = 64,
+               int64_t min_lane_bytes = 16384);
+
+// max/mean of the bytes per used lane over all NPUs' lanes (1.0 is perfect).
+double LaneImbalance(const Plan& plan);
+
+}  // namespace strata

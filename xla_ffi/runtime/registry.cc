@@ -1,0 +1,92 @@
+#include "registry.h"
+
+#include <algorithm>
+
+#include "stats.h"
+
+namespace strata {
+
+Registry::PerNpu& Registry::Get(int npu) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (static_cast<int>(npus_.size()) <= npu) npus_.resize(npu + 1, nullptr);
+  if (!npus_[npu]) npus_[npu] = new PerNpu();
+  return *npus_[npu];
+}
+
+bool Registry::FindLocked(PerNpu& p, uintptr_t addr, int64_t len) {
+  auto it = p.regions.upper_bound(addr);
+  if (it == p.regions.begin()) return false;
+  --it;
+  return addr + len <= it->first + it->second;
+}
+
+void Registry::InsertLocked(PerNpu& p, uintptr_t addr, int64_t len) {
+  // Merge with overlapping regions so lookups stay one interval probe.
+  uintptr_t lo = addr, hi = addr + len;
+  auto it = p.regions.upper_bound(addr);
+  if (it != p.regions.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second >= lo) it = prev;
+  }
+  while (it != p.regions.end() && it->first <= hi) {
+    lo = std::min(lo, it->first);
+    hi = std::max<uintptr_t>(hi, it->first + it->second);
+    it = p.regions.erase(it);
+  }
+  p.regions[lo] = static_cast<int64_t>(hi - lo);
+}
+
+void Registry::Register(int npu, uintptr_t addr, int64_t len) {
+  PerNpu& p = Get(npu);
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    InsertLocked(p, addr, len);
+  }
+  GlobalStats().registrations++;
+  GlobalStats().bytes_registered += len;
+}
+
+void Registry::Deregister(int npu, uintptr_t addr) {
+  PerNpu& p = Get(npu);
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.regions.erase(addr);
+}
+
+bool Registry::Lookup(int npu, uintptr_t addr, int64_t len) {
+  PerNpu& p = Get(npu);
+  std::lock_guard<std::mutex> lock(p.mu);
+  return FindLocked(p, addr, len);
+}
+
+bool Registry::LookupOrRegister(int npu, uintptr_t addr, int64_t len) {
+  PerNpu& p = Get(npu);
+  bool hit;
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    hit = FindLocked(p, addr, len);
+    if (!hit) InsertLocked(p, addr, len);
+  }
+  Stats& s = GlobalStats();
+  s.registry_lookups++;
+  if (hit) {
+    s.registry_hits++;
+  } else {
+    s.registry_misses++;
+    s.registrations++;
+    s.bytes_registered += len;
+  }
+  return hit;
+}
+
+int64_t Registry::RegionCount(int npu) {
+  PerNpu& p = Get(npu);
+  std::lock_guard<std::mutex> lock(p.mu);
+  return static_cast<int64_t>(p.regions.size());
+}
+
+Registry& GlobalRegistry() {
+  static Registry* r = new Registry();
+  return *r;
+}
+
+}  // namespace strata

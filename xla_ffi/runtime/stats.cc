@@ -1,0 +1,27 @@
+#include "stats.h"
+
+namespace strata {
+
+void Stats::AddLaneBytes(bool sdma, int npu, int lane, int lanes, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto& table = sdma ? sdma_bytes : core_bytes;
+  if (static_cast<int>(table.size()) <= npu) table.resize(npu + 1);
+  if (static_cast<int>(table[npu].size()) < lanes) table[npu].resize(lanes, 0);
+  table[npu][lane] += bytes;
+}
+
+void Stats::Reset() {
+  for (auto* c : {&ops, &bytes_direct, &bytes_staged, &bytes_exchanged, &registrations,
+                  &bytes_registered, &registry_lookups, &registry_hits, &registry_misses})
+    c->store(0);
+  std::lock_guard<std::mutex> lock(mu);
+  core_bytes.clear();
+  sdma_bytes.clear();
+}
+
+Stats& GlobalStats() {
+  static Stats* stats = new Stats();  // never destroyed: handlers may run at exit
+  return *stats;
+}
+
+}  // namespace strata

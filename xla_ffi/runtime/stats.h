@@ -1,0 +1,33 @@
+// Counters the runtime keeps so users can see what the fabric did.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace strata {
+
+struct Stats {
+  std::atomic<int64_t> ops{0};
+  std::atomic<int64_t> bytes_direct{0};   // moved straight between user buffers
+  std::atomic<int64_t> bytes_staged{0};   // copied into or out of comm buffers
+  std::atomic<int64_t> bytes_exchanged{0};  // written by transfers, either mode
+  std::atomic<int64_t> registrations{0};
+  std::atomic<int64_t> bytes_registered{0};
+  std::atomic<int64_t> registry_lookups{0};
+  std::atomic<int64_t> registry_hits{0};
+  std::atomic<int64_t> registry_misses{0};
+
+  // Per NPU, per lane. Grown on demand under the mutex; updates are rare
+  // (once per lane task), so a lock is cheaper than getting clever.
+  std::mutex mu;
+  std::vector<std::vector<int64_t>> core_bytes;
+  std::vector<std::vector<int64_t>> sdma_bytes;
+
+  void AddLaneBytes(bool sdma, int npu, int lane, int lanes, int64_t bytes);
+  void Reset();
+};
+
+Stats& GlobalStats();
+
+}  // namespace strata

@@ -15,6 +15,7 @@
 #include "../algorithms/algorithms.h"
 #include "../runtime/collective.h"
 #include "../runtime/registry.h"
+#include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
 #include "handlers.h"
 

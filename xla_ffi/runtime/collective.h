@@ -36,7 +36,6 @@ struct OpParams {
   int64_t comm_buffer_bytes = 200 << 20;
 
   std::string Describe() const;  // for mismatch errors
-  bool SameOp(const OpParams& o) const;
   std::string PlanKey() const;  // everything a plan depends on
 };
 
@@ -57,8 +56,5 @@ Status RunCollective(const OpParams& params, const RankCall& call);
 // The plan of an op, as the runtime would build it (for tests and tools).
 Plan BuildPartitionedPlan(const OpParams& params);
 
-// Live rendezvous slots (for tests: a finished or failed op leaves none
-// behind apart from tombstones of aborted ones).
-int64_t LiveSlotCount();
 
 }  // namespace strata

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <thread>
 #include <tuple>
 
 #include "../algorithms/algorithms.h"
@@ -209,9 +210,22 @@ Moved RunTask(const Plan& plan, const LaneTask& task, const View& v) {
   return moved;
 }
 
-// Every thread of the group pulls lane tasks until none are left, so the
-// work is spread over however many host threads are running.
+// Host threads that may execute lane tasks at once: the machine's cores.
+// More would only take turns on the same cores and evict each other's cache.
+int HostWorkers() {
+  static const int workers = [] {
+    const char* env = std::getenv("STRATA_HOST_WORKERS");
+    int n = env ? std::atoi(env) : 0;
+    if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, n);
+  }();
+  return workers;
+}
+
+// The first HostWorkers() threads of the group to get here pull lane tasks
+// until none are left; the rest go straight on to the next barrier.
 void RunTasks(Slot& s, const Plan& plan, const View& v, bool direct) {
+  if (s.workers.fetch_add(1) >= HostWorkers()) return;
   const uint32_t total = static_cast<uint32_t>(plan.tasks.size());
   Stats& stats = GlobalStats();
   int64_t written_total = 0;
@@ -320,6 +334,9 @@ Status RunCollective(const OpParams& p, const RankCall& c) {
     // registered on first use and cached, and that miss is counted.
     if (in_bytes > 0) GlobalRegistry().LookupOrRegister(c.device, reinterpret_cast<uintptr_t>(c.in), in_bytes);
     if (out_bytes > 0) GlobalRegistry().LookupOrRegister(c.device, reinterpret_cast<uintptr_t>(c.out), out_bytes);
+    // XLA hands us a fresh output buffer every call; before anyone writes it,
+    // back it with large pages as fabric registration would.
+    Registry::PreferLargePages(c.out, out_bytes);
   }
   GlobalStats().ops++;
 

@@ -78,16 +78,25 @@ inline S WrapCombine(ReduceOp op, S a, S b) {
 
 template <typename T, typename Fold>
 void ReduceLoop(T* const* outs, int num_outs, const void* const* srcs, int n, size_t count, Fold fold) {
-  // Blocked so the accumulator stays in L1 while every source streams by and
-  // is then written to every destination.
+  // Blocked so the accumulator stays in L1 while the sources stream by, four
+  // at a time (one accumulator pass per four sources), then written to every
+  // destination. The fold order is still source 0, 1, 2, ... for every element.
   constexpr size_t kBlock = 2048;
-  T acc[kBlock];
+  alignas(64) T acc[kBlock];
   for (size_t base = 0; base < count; base += kBlock) {
-    size_t len = std::min(kBlock, count - base);
+    const size_t len = std::min(kBlock, count - base);
     std::memcpy(acc, static_cast<const T*>(srcs[0]) + base, len * sizeof(T));
-    for (int k = 1; k < n; ++k) {
-      const T* s = static_cast<const T*>(srcs[k]) + base;
-      for (size_t i = 0; i < len; ++i) acc[i] = fold(acc[i], s[i]);
+    int k = 1;
+    for (; k + 3 < n; k += 4) {
+      const T* __restrict a = static_cast<const T*>(srcs[k]) + base;
+      const T* __restrict b = static_cast<const T*>(srcs[k + 1]) + base;
+      const T* __restrict c = static_cast<const T*>(srcs[k + 2]) + base;
+      const T* __restrict d = static_cast<const T*>(srcs[k + 3]) + base;
+      for (size_t i = 0; i < len; ++i) acc[i] = fold(fold(fold(fold(acc[i], a[i]), b[i]), c[i]), d[i]);
+    }
+    for (; k < n; ++k) {
+      const T* __restrict a = static_cast<const T*>(srcs[k]) + base;
+      for (size_t i = 0; i < len; ++i) acc[i] = fold(acc[i], a[i]);
     }
     for (int d = 0; d < num_outs; ++d) std::memcpy(outs[d] + base, acc, len * sizeof(T));
   }

@@ -1,5 +1,7 @@
 #include "registry.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 
 #include "stats.h"
@@ -82,6 +84,16 @@ int64_t Registry::RegionCount(int npu) {
   PerNpu& p = Get(npu);
   std::lock_guard<std::mutex> lock(p.mu);
   return static_cast<int64_t>(p.regions.size());
+}
+
+void Registry::PreferLargePages(void* addr, int64_t len) {
+  constexpr uintptr_t kHuge = 2u << 20;
+  if (len < static_cast<int64_t>(2 * kHuge)) return;
+  uintptr_t lo = (reinterpret_cast<uintptr_t>(addr) + kHuge - 1) & ~(kHuge - 1);
+  uintptr_t hi = (reinterpret_cast<uintptr_t>(addr) + len) & ~(kHuge - 1);
+#ifdef MADV_HUGEPAGE
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#endif
 }
 
 Registry& GlobalRegistry() {

@@ -183,6 +183,7 @@ Status Rendezvous::Barrier(const char* phase) {
     s.phase_count = 0;
     s.phase_gen++;
     s.next_task.store(0);
+    s.workers.store(0);
     s.cv.notify_all();
     return Status::Ok();
   }

@@ -53,8 +53,10 @@ struct Slot {
 
   // Whatever the last arriver set up for everyone (a plan, a layout).
   std::shared_ptr<void> shared;
-  // Shared cursor for cooperative task loops; reset at every barrier.
+  // Shared cursor for cooperative task loops, and how many threads have
+  // joined the loop; both reset at every barrier.
   std::atomic<uint32_t> next_task{0};
+  std::atomic<int> workers{0};
 
   int phase_count = 0;
   int64_t phase_gen = 0;

@@ -10,6 +10,7 @@ from . import _runtime_setup
 _runtime_setup.install()
 
 from . import emulator  # noqa: E402
+from . import memory  # noqa: E402
 from ._config import config  # noqa: E402
 from ._stats import reset_stats, stats  # noqa: E402
 from .all_gather import all_gather  # noqa: E402
@@ -23,5 +24,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute",
-    "config", "stats", "reset_stats", "emulator",
+    "config", "stats", "reset_stats", "emulator", "memory",
 ]

@@ -52,6 +52,7 @@ nb::dict GetStats() {
   d["registry_lookups"] = s.registry_lookups.load();
   d["registry_hits"] = s.registry_hits.load();
   d["registry_misses"] = s.registry_misses.load();
+  d["operand_registry_misses"] = s.operand_registry_misses.load();
   std::lock_guard<std::mutex> lock(s.mu);
   d["core_bytes"] = s.core_bytes;
   d["sdma_bytes"] = s.sdma_bytes;
@@ -134,7 +135,10 @@ nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t bl
 
 }  // namespace
 
+void BindMemory(nb::module_& m);  // memory_bindings.cc
+
 NB_MODULE(_core, m) {
+  BindMemory(m);
   m.def("registrations", &Registrations);
   m.def("stats", &GetStats);
   m.def("reset_stats", [] { GlobalStats().Reset(); });

@@ -332,8 +332,8 @@ Status RunCollective(const OpParams& p, const RankCall& c) {
   if (p.mode == Mode::kStrata) {
     // Registration-on-allocation makes these hits; an XLA temporary is
     // registered on first use and cached, and that miss is counted.
-    if (in_bytes > 0) GlobalRegistry().LookupOrRegister(c.device, reinterpret_cast<uintptr_t>(c.in), in_bytes);
-    if (out_bytes > 0) GlobalRegistry().LookupOrRegister(c.device, reinterpret_cast<uintptr_t>(c.out), out_bytes);
+    if (in_bytes > 0) GlobalRegistry().LookupOrRegister(c.device, reinterpret_cast<uintptr_t>(c.in), in_bytes, /*operand=*/true);
+    if (out_bytes > 0) GlobalRegistry().LookupOrRegister(c.device, reinterpret_cast<uintptr_t>(c.out), out_bytes, /*operand=*/false);
     // XLA hands us a fresh output buffer every call; before anyone writes it,
     // back it with large pages as fabric registration would.
     Registry::PreferLargePages(c.out, out_bytes);

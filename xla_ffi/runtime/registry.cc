@@ -15,11 +15,17 @@ Registry::PerNpu& Registry::Get(int npu) {
   return *npus_[npu];
 }
 
-bool Registry::FindLocked(PerNpu& p, uintptr_t addr, int64_t len) {
-  auto it = p.regions.upper_bound(addr);
-  if (it == p.regions.begin()) return false;
+namespace {
+bool Contains(const std::map<uintptr_t, int64_t>& regions, uintptr_t addr, int64_t len) {
+  auto it = regions.upper_bound(addr);
+  if (it == regions.begin()) return false;
   --it;
   return addr + len <= it->first + it->second;
+}
+}  // namespace
+
+bool Registry::FindLocked(PerNpu& p, uintptr_t addr, int64_t len) {
+  return Contains(p.regions, addr, len) || Contains(p.cached, addr, len);
 }
 
 void Registry::InsertLocked(PerNpu& p, uintptr_t addr, int64_t len) {
@@ -60,20 +66,27 @@ bool Registry::Lookup(int npu, uintptr_t addr, int64_t len) {
   return FindLocked(p, addr, len);
 }
 
-bool Registry::LookupOrRegister(int npu, uintptr_t addr, int64_t len) {
+bool Registry::LookupOrRegister(int npu, uintptr_t addr, int64_t len, bool operand) {
   PerNpu& p = Get(npu);
   bool hit;
   {
     std::lock_guard<std::mutex> lock(p.mu);
     hit = FindLocked(p, addr, len);
-    if (!hit) InsertLocked(p, addr, len);
+    if (!hit) {
+      int64_t& cached_len = p.cached[addr];
+      if (cached_len == 0) p.cache_order.push_back(addr);
+      cached_len = std::max(cached_len, len);
+      while (p.cache_order.size() > kMaxCached) {
+        p.cached.erase(p.cache_order.front());
+        p.cache_order.pop_front();
+      }
+    }
   }
   Stats& s = GlobalStats();
   s.registry_lookups++;
-  if (hit) {
-    s.registry_hits++;
-  } else {
-    s.registry_misses++;
+  (hit ? s.registry_hits : s.registry_misses)++;
+  if (operand && !hit) s.operand_registry_misses++;
+  if (!hit) {
     s.registrations++;
     s.bytes_registered += len;
   }
@@ -83,7 +96,7 @@ bool Registry::LookupOrRegister(int npu, uintptr_t addr, int64_t len) {
 int64_t Registry::RegionCount(int npu) {
   PerNpu& p = Get(npu);
   std::lock_guard<std::mutex> lock(p.mu);
-  return static_cast<int64_t>(p.regions.size());
+  return static_cast<int64_t>(p.regions.size() + p.cached.size());
 }
 
 void Registry::PreferLargePages(void* addr, int64_t len) {

@@ -2,6 +2,7 @@
 // may read or write a buffer directly only inside a registered region.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -16,8 +17,10 @@ class Registry {
   // True when [addr, addr+len) lies inside one region of `npu`.
   bool Lookup(int npu, uintptr_t addr, int64_t len);
   // Looks up; on a miss registers the range (an XLA temporary seen for the
-  // first time) so the next call hits. Returns whether it hit.
-  bool LookupOrRegister(int npu, uintptr_t addr, int64_t len);
+  // first time) so the next call hits. Returns whether it hit. `operand`
+  // says whether it is an op's input (counted apart from results, which XLA
+  // allocates afresh and so are first-use registrations by nature).
+  bool LookupOrRegister(int npu, uintptr_t addr, int64_t len, bool operand = true);
   int64_t RegionCount(int npu);
 
   // Asks the kernel to back [addr, addr+len) with 2 MiB pages where the
@@ -29,8 +32,11 @@ class Registry {
  private:
   struct PerNpu {
     std::mutex mu;
-    std::map<uintptr_t, int64_t> regions;  // start -> length, non-overlapping
+    std::map<uintptr_t, int64_t> regions;  // pinned (arenas, comm buffers): start -> length
+    std::map<uintptr_t, int64_t> cached;   // registered on first use
+    std::deque<uintptr_t> cache_order;     // oldest first, for eviction
   };
+  static constexpr size_t kMaxCached = 4096;  // per NPU; XLA recycles addresses
   PerNpu& Get(int npu);
   bool FindLocked(PerNpu& p, uintptr_t addr, int64_t len);
   void InsertLocked(PerNpu& p, uintptr_t addr, int64_t len);

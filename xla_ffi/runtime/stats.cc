@@ -12,7 +12,7 @@ void Stats::AddLaneBytes(bool sdma, int npu, int lane, int lanes, int64_t bytes)
 
 void Stats::Reset() {
   for (auto* c : {&ops, &bytes_direct, &bytes_staged, &bytes_exchanged, &registrations,
-                  &bytes_registered, &registry_lookups, &registry_hits, &registry_misses})
+                  &bytes_registered, &registry_lookups, &registry_hits, &registry_misses, &operand_registry_misses})
     c->store(0);
   std::lock_guard<std::mutex> lock(mu);
   core_bytes.clear();

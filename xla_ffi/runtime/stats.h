@@ -17,6 +17,7 @@ struct Stats {
   std::atomic<int64_t> registry_lookups{0};
   std::atomic<int64_t> registry_hits{0};
   std::atomic<int64_t> registry_misses{0};
+  std::atomic<int64_t> operand_registry_misses{0};  // inputs found unregistered
 
   // Per NPU, per lane. Grown on demand under the mutex; updates are rare
   // (once per lane task), so a lock is cheaper than getting clever.

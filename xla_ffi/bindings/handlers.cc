@@ -2,6 +2,7 @@
 // Every collective shares one binding; the template argument picks the op.
 #include "handlers.h"
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
@@ -44,16 +45,19 @@ ffi::Error CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                           int64_t timeout_ms) {
   // XLA:CPU deadlocks itself when its client pool has fewer than two threads
   // per device (a blocked launch holds the threads a running collective
-  // needs); refuse before we could be part of that.
+  // needs); refuse before we could be part of that. The pool size the FFI
+  // reports saturates at 256, so beyond 128 devices this check can only see
+  // that much; the Python layer sizes the real pool (PJRT_NPROC) regardless.
+  constexpr int64_t kReportedPoolCap = 256;
   const int64_t threads = pool.num_threads();
-  if (threads < 2 * static_cast<int64_t>(num_devices)) {
+  const int64_t needed = 2 * static_cast<int64_t>(num_devices);
+  if (threads < std::min(needed, kReportedPoolCap)) {
     return ffi::Error(
         ffi::ErrorCode::kFailedPrecondition,
         std::string(OpName(kKind)) + ": XLA:CPU's client thread pool has " +
             std::to_string(threads) + " threads, but a program on " +
-            std::to_string(num_devices) + " devices needs at least " +
-            std::to_string(2 * num_devices) +
-            " or XLA can hang. Set PJRT_NPROC=" + std::to_string(2 * num_devices) +
+            std::to_string(num_devices) + " devices needs at least " + std::to_string(needed) +
+            " or XLA can hang. Set PJRT_NPROC=" + std::to_string(needed) +
             " (or more) before JAX starts; importing stratacl_jax before the first JAX "
             "computation does this for you.");
   }

@@ -81,7 +81,9 @@ void ReduceLoop(T* const* outs, int num_outs, const void* const* srcs, int n, si
   // Blocked so the accumulator stays in L1 while the sources stream by, four
   // at a time (one accumulator pass per four sources), then written to every
   // destination. The fold order is still source 0, 1, 2, ... for every element.
-  constexpr size_t kBlock = 2048;
+  // 32 KiB strips: long enough per source for the hardware prefetcher, small
+  // enough that the accumulator stays in L2.
+  constexpr size_t kBlock = (32 << 10) / sizeof(T);
   alignas(64) T acc[kBlock];
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t len = std::min(kBlock, count - base);

@@ -11,6 +11,7 @@ _runtime_setup.install()
 
 from . import emulator  # noqa: E402
 from . import memory  # noqa: E402
+from . import moe  # noqa: E402
 from ._config import config  # noqa: E402
 from ._stats import reset_stats, stats  # noqa: E402
 from .all_gather import all_gather  # noqa: E402

@@ -18,6 +18,7 @@
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
 #include "handlers.h"
+#include "moe_handlers.h"
 
 namespace nb = nanobind;
 using namespace strata;
@@ -37,6 +38,9 @@ nb::dict Registrations() {
   d["strata_all_to_all"] = EncapsulateFfiHandler(StrataAllToAll);
   d["strata_broadcast"] = EncapsulateFfiHandler(StrataBroadcast);
   d["strata_ppermute"] = EncapsulateFfiHandler(StrataPermute);
+  d["strata_moe_dispatch"] = EncapsulateFfiHandler(StrataMoeDispatch);
+  d["strata_moe_combine"] = EncapsulateFfiHandler(StrataMoeCombine);
+  d["strata_moe_combine_backward"] = EncapsulateFfiHandler(StrataMoeCombineBackward);
   return d;
 }
 

@@ -210,32 +210,16 @@ Moved RunTask(const Plan& plan, const LaneTask& task, const View& v) {
   return moved;
 }
 
-// Host threads that may execute lane tasks at once: the machine's cores.
-// More would only take turns on the same cores and evict each other's cache.
-int HostWorkers() {
-  static const int workers = [] {
-    const char* env = std::getenv("STRATA_HOST_WORKERS");
-    int n = env ? std::atoi(env) : 0;
-    if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
-    return std::max(1, n);
-  }();
-  return workers;
-}
-
-// The first HostWorkers() threads of the group to get here pull lane tasks
-// until none are left; the rest go straight on to the next barrier.
 void RunTasks(Slot& s, const Plan& plan, const View& v, bool direct) {
-  if (s.workers.fetch_add(1) >= HostWorkers()) return;
-  const uint32_t total = static_cast<uint32_t>(plan.tasks.size());
   Stats& stats = GlobalStats();
   int64_t written_total = 0;
-  for (uint32_t i = s.next_task.fetch_add(1); i < total; i = s.next_task.fetch_add(1)) {
+  RunShared(s, plan.tasks.size(), [&](uint64_t i) {
     const LaneTask& task = plan.tasks[i];
     Moved moved = RunTask(plan, task, v);
-    if (moved.touched == 0) continue;
+    if (moved.touched == 0) return;
     stats.AddLaneBytes(!plan.is_reduction(), s.devices[task.npu], task.lane, plan.lanes_per_npu, moved.touched);
     written_total += moved.written;
-  }
+  });
   stats.bytes_exchanged += written_total;
   if (direct) stats.bytes_direct += written_total;
 }

@@ -1,6 +1,9 @@
 #include "rendezvous.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <map>
+#include <thread>
 #include <sstream>
 #include <tuple>
 
@@ -195,6 +198,16 @@ Status Rendezvous::Barrier(const char* phase) {
     return Status::Error(s.error);
   }
   return Status::Ok();
+}
+
+int HostWorkers() {
+  static const int workers = [] {
+    const char* env = std::getenv("STRATA_HOST_WORKERS");
+    int n = env ? std::atoi(env) : 0;
+    if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, n);
+  }();
+  return workers;
 }
 
 int64_t LiveSlotCount() {

@@ -93,4 +93,19 @@ class Rendezvous {
 // Live (not aborted) slots: 0 once every op has finished.
 int64_t LiveSlotCount();
 
+// Host threads that may run tasks at once: the machine's cores
+// (STRATA_HOST_WORKERS overrides). More would only take turns on the same
+// cores and evict each other's cache.
+int HostWorkers();
+
+// The cooperative task loop every op uses: the first HostWorkers() threads of
+// the group to get here pull task indices from the slot's cursor until none
+// are left, whichever rank's work they are; the rest go straight on to the
+// next barrier (which resets the cursor).
+template <typename Fn>
+void RunShared(Slot& s, uint64_t total, Fn&& fn) {
+  if (s.workers.fetch_add(1) >= HostWorkers()) return;
+  for (uint64_t i = s.next_task.fetch_add(1); i < total; i = s.next_task.fetch_add(1)) fn(i);
+}
+
 }  // namespace strata

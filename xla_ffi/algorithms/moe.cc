@@ -1,0 +1,644 @@
+#include "moe.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "../runtime/registry.h"
+#include "../runtime/rendezvous.h"
+#include "../runtime/stats.h"
+
+namespace strata {
+
+std::string MoeParams::Describe(const char* opname) const {
+  std::ostringstream os;
+  os << opname << " group_size=" << group_size << " num_experts=" << num_experts
+     << " capacity=" << capacity << " tokens=" << tokens << " topk=" << topk
+     << " hidden=" << hidden << " dtype=" << DTypeName(dtype) << " cores=" << cores
+     << " engines=" << engines << " mode=" << (mode == Mode::kStrata ? "strata" : "buffer_centric")
+     << " comm_buffer_bytes=" << comm_buffer_bytes;
+  return os.str();
+}
+
+DType MoeWeightDType(DType rows) { return rows == DType::F64 ? DType::F64 : DType::F32; }
+
+bool MoeSupportsCombine(DType rows) {
+  return rows == DType::F32 || rows == DType::F64 || rows == DType::F16 || rows == DType::BF16;
+}
+
+namespace {
+
+constexpr const char* kDispatchName = "strata.moe.dispatch";
+constexpr const char* kCombineName = "strata.moe.combine";
+constexpr const char* kCombineBwdName = "strata.moe.combine (backward)";
+
+// About this many bytes per task: small enough to spread over the group's
+// threads and lanes, large enough that the shared cursor is not contended.
+constexpr int64_t kTaskBytes = 256 << 10;
+
+// ---------------------------------------------------------------------------
+// Row arithmetic. 16-bit rows widen to float32 and round once when stored.
+// ---------------------------------------------------------------------------
+struct Bf16 {
+  uint16_t bits;
+};
+
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+
+inline float Widen(float v) { return v; }
+inline double Widen(double v) { return v; }
+inline float Widen(_Float16 v) { return static_cast<float>(v); }
+inline float Widen(Bf16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename T> inline T Narrow(typename AccOf<T>::type v) { return static_cast<T>(v); }
+template <> inline Bf16 Narrow<Bf16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((bits >> 16) | 0x40)};
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return Bf16{static_cast<uint16_t>(bits >> 16)};
+}
+
+template <typename T, typename A>
+inline void Axpy(A* acc, const T* row, A w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * Widen(row[i]);
+}
+
+template <typename T, typename A>
+inline void Scale(T* out, const T* in, A w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = Narrow<T>(w * Widen(in[i]));
+}
+
+template <typename T, typename A>
+inline A Dot(const T* a, const T* b, int64_t n) {
+  // Independent partial sums so the loop vectorises without reassociation flags.
+  A part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += Widen(a[i + j]) * Widen(b[i + j]);
+  A sum = 0;
+  for (; i < n; ++i) sum += Widen(a[i]) * Widen(b[i]);
+  for (int j = 0; j < 8; ++j) sum += part[j];
+  return sum;
+}
+
+// Calls fn<T>() with T the element type of `dtype` (float dtypes only).
+template <typename Fn>
+void WithFloatType(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::F32: fn(float{}); break;
+    case DType::F64: fn(double{}); break;
+    case DType::F16: fn(_Float16{}); break;
+    case DType::BF16: fn(Bf16{}); break;
+    default: break;
+  }
+}
+
+Participant MakeParticipant(const char* opname, const MoeParams& p, const MoeCall& c) {
+  Participant who;
+  who.opname = opname;
+  who.run_id = c.run_id;
+  who.site_id = c.site_id;
+  who.group_id = c.group_id;
+  who.group_size = p.group_size;
+  who.rank = c.rank;
+  who.device = c.device;
+  who.timeout_s = c.timeout_s;
+  return who;
+}
+
+Status CheckCall(const char* opname, const MoeParams& p, const MoeCall& c) {
+  std::ostringstream os;
+  os << opname << ": ";
+  if (c.rank < 0 || c.rank >= p.group_size)
+    os << "rank " << c.rank << " is out of range for a group of " << p.group_size;
+  else if (p.num_experts < p.group_size || p.num_experts % p.group_size != 0)
+    os << "num_experts=" << p.num_experts << " must be a positive multiple of the group size "
+       << p.group_size;
+  else if (p.capacity < 1)
+    os << "capacity must be positive, got " << p.capacity;
+  else if (static_cast<int64_t>(p.num_experts) * p.capacity > INT32_MAX)
+    os << "num_experts * capacity = " << p.num_experts * p.capacity << " exceeds int32 slots";
+  else if (p.group_size * p.tokens * p.topk > INT32_MAX)
+    os << "group_size * tokens * topk exceeds int32 pair indices";
+  else
+    return Status::Ok();
+  return Status::Error(os.str());
+}
+
+// Splitting the expert side: (rank, local expert, run of rows) per task.
+struct ExpertTasks {
+  int64_t local_experts, capacity, rows_per_task, chunks;
+  ExpertTasks(const MoeParams& p, int64_t bytes_per_row)
+      : local_experts(p.local_experts()), capacity(p.capacity),
+        rows_per_task(std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, bytes_per_row))),
+        chunks((p.capacity + rows_per_task - 1) / rows_per_task) {}
+  uint64_t count(int n) const { return static_cast<uint64_t>(n) * local_experts * chunks; }
+  struct Task {
+    int rank;
+    int64_t first_row, end_row;  // rows of the rank's [E_local * C] slots
+    int64_t chunk;                // index among the rank's tasks: picks its lane
+  };
+  Task at(uint64_t i) const {
+    const int64_t per_rank = local_experts * chunks;
+    const int64_t rank = static_cast<int64_t>(i) / per_rank, rem = static_cast<int64_t>(i) % per_rank;
+    const int64_t l = rem / chunks, ch = rem % chunks;
+    const int64_t r0 = ch * rows_per_task;
+    return {static_cast<int>(rank), l * capacity + r0, l * capacity + std::min(capacity, r0 + rows_per_task), rem};
+  }
+};
+
+// Splitting the token side: (rank, run of tokens) per task.
+struct TokenTasks {
+  int64_t tokens, tokens_per_task, chunks;
+  TokenTasks(const MoeParams& p)
+      : tokens(p.tokens),
+        tokens_per_task(std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, p.topk * p.row_bytes()))),
+        chunks((p.tokens + tokens_per_task - 1) / tokens_per_task) {}
+  uint64_t count(int n) const { return static_cast<uint64_t>(n) * chunks; }
+  struct Task {
+    int rank;
+    int64_t first, end, chunk;  // chunk: index among the rank's tasks, picks its lane
+  };
+  Task at(uint64_t i) const {
+    const int64_t rank = static_cast<int64_t>(i) / chunks, ch = static_cast<int64_t>(i) % chunks;
+    const int64_t t0 = ch * tokens_per_task;
+    return {static_cast<int>(rank), t0, std::min(tokens, t0 + tokens_per_task), ch};
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Where peers find a rank's rows. Direct (strata) mode: the user buffers
+// themselves. Buffer-centric mode: communication buffers, registered once
+// and reused; inputs are copied in before peers may read them, results are
+// written there and copied out.
+// ---------------------------------------------------------------------------
+class StagingPool {
+ public:
+  struct Buffer {
+    char* data = nullptr;
+    int64_t bytes = 0;
+    int device = -1;
+  };
+
+  // A call holds its buffer for its whole life, so ops that XLA runs
+  // concurrently never share one.
+  Buffer* Take(int device, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i]->device != device) continue;
+      Buffer* b = free_[i];
+      free_.erase(free_.begin() + i);
+      if (b->bytes < bytes) Grow(b, bytes);
+      return b->data ? b : nullptr;
+    }
+    auto* b = new Buffer();
+    b->device = device;
+    Grow(b, bytes);
+    return b->data ? b : nullptr;
+  }
+  void Give(Buffer* b) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(b);
+  }
+
+ private:
+  static void Grow(Buffer* b, int64_t bytes) {
+    if (b->data) {
+      GlobalRegistry().Deregister(b->device, reinterpret_cast<uintptr_t>(b->data));
+      std::free(b->data);
+    }
+    const size_t rounded = (static_cast<size_t>(bytes) + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+    b->data = static_cast<char*>(std::aligned_alloc(2u << 20, rounded));
+    b->bytes = b->data ? static_cast<int64_t>(rounded) : 0;
+    if (!b->data) return;
+#ifdef MADV_HUGEPAGE
+    madvise(b->data, rounded, MADV_HUGEPAGE);
+#endif
+    GlobalRegistry().Register(b->device, reinterpret_cast<uintptr_t>(b->data), b->bytes);
+  }
+
+  std::mutex mu_;
+  std::vector<Buffer*> free_;
+};
+
+StagingPool& Staging() {
+  static StagingPool* pool = new StagingPool();  // never destroyed: handlers may run at exit
+  return *pool;
+}
+
+class RowBuffers {
+ public:
+  struct In {
+    const void* user;
+    int64_t bytes;
+  };
+  struct Out {
+    void* user;
+    int64_t bytes;
+  };
+
+  RowBuffers(const char* opname, const MoeParams& p, int device, std::vector<In> ins,
+             std::vector<Out> outs)
+      : opname_(opname), staged_(p.mode == Mode::kBufferCentric), limit_(p.comm_buffer_bytes),
+        device_(device), ins_(std::move(ins)), outs_(std::move(outs)) {
+    for (const In& in : ins_) in_bytes_ += Align(in.bytes);
+    for (const Out& out : outs_) out_bytes_ += Align(out.bytes);
+    if (!staged_) {
+      // Registration-on-allocation makes these hits; an XLA temporary is
+      // registered on first use and cached, and that miss is counted.
+      for (const In& in : ins_)
+        if (in.bytes > 0) GlobalRegistry().LookupOrRegister(device, reinterpret_cast<uintptr_t>(in.user), in.bytes, true);
+      for (const Out& out : outs_) {
+        if (out.bytes <= 0) continue;
+        GlobalRegistry().LookupOrRegister(device, reinterpret_cast<uintptr_t>(out.user), out.bytes, false);
+        // XLA hands us a fresh output every call: back it with large pages
+        // before anyone writes it, as fabric registration would.
+        Registry::PreferLargePages(out.user, out.bytes);
+      }
+    }
+  }
+  ~RowBuffers() {
+    if (in_) Staging().Give(in_);
+    if (out_) Staging().Give(out_);
+  }
+  RowBuffers(const RowBuffers&) = delete;
+  RowBuffers& operator=(const RowBuffers&) = delete;
+
+  // Takes the communication buffers (buffer-centric mode). Every rank has the
+  // same sizes, so every rank fails alike, before the rendezvous.
+  Status Acquire() {
+    if (!staged_) return Status::Ok();
+    if (in_bytes_ > limit_ || out_bytes_ > limit_) {
+      std::ostringstream os;
+      os << opname_ << ": buffer_centric mode needs " << std::max(in_bytes_, out_bytes_)
+         << " bytes of communication buffer per rank but comm_buffer_bytes=" << limit_
+         << "; raise strata.config(comm_buffer_bytes=...)";
+      return Status::Error(os.str());
+    }
+    in_ = Staging().Take(device_, std::max<int64_t>(in_bytes_, 1));
+    out_ = Staging().Take(device_, std::max<int64_t>(out_bytes_, 1));
+    if (!in_ || !out_) return Status::Error(std::string(opname_) + ": cannot allocate communication buffers");
+    return Status::Ok();
+  }
+
+  // What peers address: the user buffer, or its place in the comm buffer.
+  void* in(size_t i) const {
+    return staged_ ? in_->data + InOffset(i) : const_cast<void*>(ins_[i].user);
+  }
+  void* out(size_t i) const { return staged_ ? out_->data + OutOffset(i) : outs_[i].user; }
+  bool direct() const { return !staged_; }
+
+  // Copies this rank's inputs into its comm buffer (before peers may read).
+  void StageIn() const {
+    if (!staged_) return;
+    int64_t bytes = 0;
+    for (size_t i = 0; i < ins_.size(); ++i) {
+      std::memcpy(in(i), ins_[i].user, ins_[i].bytes);
+      bytes += ins_[i].bytes;
+    }
+    GlobalStats().bytes_staged += bytes;
+  }
+  // Copies results out of the comm buffer (after every peer is done).
+  void StageOut() const {
+    if (!staged_) return;
+    int64_t bytes = 0;
+    for (size_t i = 0; i < outs_.size(); ++i) {
+      std::memcpy(outs_[i].user, out(i), outs_[i].bytes);
+      bytes += outs_[i].bytes;
+    }
+    GlobalStats().bytes_staged += bytes;
+  }
+
+ private:
+  static int64_t Align(int64_t b) { return (b + 63) / 64 * 64; }
+  int64_t InOffset(size_t i) const {
+    int64_t off = 0;
+    for (size_t j = 0; j < i; ++j) off += Align(ins_[j].bytes);
+    return off;
+  }
+  int64_t OutOffset(size_t i) const {
+    int64_t off = 0;
+    for (size_t j = 0; j < i; ++j) off += Align(outs_[j].bytes);
+    return off;
+  }
+
+  const char* opname_;
+  bool staged_;
+  int64_t limit_;
+  int device_;
+  std::vector<In> ins_;
+  std::vector<Out> outs_;
+  int64_t in_bytes_ = 0, out_bytes_ = 0;
+  StagingPool::Buffer* in_ = nullptr;
+  StagingPool::Buffer* out_ = nullptr;
+};
+
+// What the last rank to arrive at a dispatch works out for the group.
+struct DispatchLayout {
+  std::vector<int64_t> base;   // [N][E]: pairs of lower ranks routed to e
+  std::vector<int64_t> total;  // [E]
+  std::string error;           // the first rank's bad expert id, if any
+};
+
+}  // namespace
+
+Status MoeDispatch(const MoeParams& p, const MoeCall& c, const void* x, const int32_t* topk_idx,
+                   void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
+                   int32_t* dropped) {
+  STRATA_RETURN_IF_ERROR(CheckCall(kDispatchName, p, c));
+  const int n = p.group_size;
+  const int32_t num_e = p.num_experts;
+  const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
+  const int64_t rb = p.row_bytes();
+
+  // This rank's pairs per expert, and the first bad id (reported by everyone,
+  // before anyone touches a peer's buffer).
+  std::vector<int64_t> counts(num_e, 0);
+  std::string bad;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int32_t e = topk_idx[i];
+    if (e < 0 || e >= num_e) {
+      std::ostringstream os;
+      os << kDispatchName << " (call site " << c.site_id << ", group " << c.group_id << ", rank "
+         << c.rank << " of " << n << ", device " << c.device << "): token " << i / p.topk
+         << ", k=" << i % p.topk << " is routed to expert id " << e << ", outside [0, " << num_e
+         << ")";
+      bad = os.str();
+      break;
+    }
+    counts[e]++;
+  }
+  RowBuffers rows(kDispatchName, p, c.device, {{x, p.tokens * rb}}, {{recv_x, el * cap * rb}});
+  STRATA_RETURN_IF_ERROR(rows.Acquire());
+  GlobalStats().ops++;
+
+  Rendezvous rv(MakeParticipant(kDispatchName, p, c));
+  Status st = rv.Arrive({rows.in(0), rows.out(0), slot_source, counts.data(), &bad},
+                        p.Describe(kDispatchName), [&](Slot& s) {
+    auto layout = std::make_shared<DispatchLayout>();
+    layout->base.assign(static_cast<size_t>(n) * num_e, 0);
+    layout->total.assign(num_e, 0);
+    for (int r = 0; r < n; ++r) {
+      const int64_t* cr = static_cast<const int64_t*>(s.ptrs[r][3]);
+      const std::string& why = *static_cast<const std::string*>(s.ptrs[r][4]);
+      if (layout->error.empty() && !why.empty()) layout->error = why;
+      for (int32_t e = 0; e < num_e; ++e) {
+        layout->base[static_cast<size_t>(r) * num_e + e] = layout->total[e];
+        layout->total[e] += cr[e];
+      }
+    }
+    s.shared = layout;
+    return Status::Ok();
+  });
+  if (!st.ok) return st;
+  Slot& s = rv.slot();
+  const DispatchLayout& layout = *std::static_pointer_cast<DispatchLayout>(s.shared);
+  // Every rank returns the same error and nobody has touched a peer yet.
+  if (!layout.error.empty()) return Status::Error(layout.error);
+
+  rows.StageIn();  // peers read it after the next barrier
+
+  // Phase 1: each rank places its own pairs, in (token, k) order after all
+  // pairs of lower ranks, and tells the owning rank where each row comes from.
+  std::vector<int64_t> next(layout.base.begin() + static_cast<size_t>(c.rank) * num_e,
+                            layout.base.begin() + static_cast<size_t>(c.rank + 1) * num_e);
+  int32_t drops = 0;
+  const int64_t first_pair = c.rank * pairs;
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int32_t e = topk_idx[i];
+    const int64_t row = next[e]++;
+    if (row >= cap) {
+      pair_slot[i] = -1;
+      drops++;
+      continue;
+    }
+    pair_slot[i] = static_cast<int32_t>(e * cap + row);
+    int32_t* owner_slots = static_cast<int32_t*>(s.ptrs[e / el][2]);
+    owner_slots[(e % el) * cap + row] = static_cast<int32_t>(first_pair + i);
+  }
+  *dropped = drops;
+  for (int64_t l = 0; l < el; ++l) {
+    const int64_t filled = std::min(layout.total[c.rank * el + l], cap);
+    recv_counts[l] = static_cast<int32_t>(filled);
+    std::fill(slot_source + l * cap + filled, slot_source + (l + 1) * cap, -1);
+  }
+  st = rv.Barrier("layout");
+  if (!st.ok) return rv.Fail(st);
+
+  // Phase 2: every row moves once, source x -> owner's recv_x (DMA work of
+  // the owning NPU), split over the group's worker threads.
+  const ExpertTasks tasks(p, rb);
+  Stats& stats = GlobalStats();
+  std::atomic<int64_t> moved_total{0};
+  RunShared(s, tasks.count(n), [&](uint64_t i) {
+    const ExpertTasks::Task task = tasks.at(i);
+    char* out = static_cast<char*>(s.ptrs[task.rank][1]);
+    const int32_t* sources = static_cast<const int32_t*>(s.ptrs[task.rank][2]);
+    int64_t moved = 0, zeroed = 0;
+    for (int64_t row = task.first_row; row < task.end_row; ++row) {
+      const int32_t src = sources[row];
+      if (src < 0) {
+        std::memset(out + row * rb, 0, rb);
+        zeroed += rb;
+        continue;
+      }
+      const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk;
+      std::memcpy(out + row * rb, static_cast<const char*>(s.ptrs[src_rank][0]) + token * rb, rb);
+      moved += rb;
+    }
+    if (moved + zeroed > 0)
+      stats.AddLaneBytes(true, s.devices[task.rank], static_cast<int>(task.chunk % p.engines),
+                         p.engines, 2 * moved + zeroed);
+    moved_total += moved;
+  });
+  if (rows.direct()) stats.bytes_direct += moved_total.load();
+  stats.bytes_exchanged += moved_total.load();
+  // Nobody may return (and let XLA reuse its buffers) while a peer still reads x.
+  st = rv.Barrier("exchange");
+  if (!st.ok) return rv.Fail(st);
+  rows.StageOut();
+  return Status::Ok();
+}
+
+Status MoeCombine(const MoeParams& p, const MoeCall& c, const void* expert_y, const void* weights,
+                  const int32_t* pair_slot, void* y) {
+  STRATA_RETURN_IF_ERROR(CheckCall(kCombineName, p, c));
+  if (!MoeSupportsCombine(p.dtype))
+    return Status::Error(std::string(kCombineName) + ": rows must be a float type, got " +
+                         DTypeName(p.dtype));
+  const int n = p.group_size;
+  const int64_t el = p.local_experts(), cap = p.capacity, h = p.hidden, k_top = p.topk;
+  const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
+  RowBuffers rows(kCombineName, p, c.device, {{expert_y, slots_per_rank * rb}}, {{y, p.tokens * rb}});
+  STRATA_RETURN_IF_ERROR(rows.Acquire());
+  GlobalStats().ops++;
+
+  Rendezvous rv(MakeParticipant(kCombineName, p, c));
+  Status st = rv.Arrive({rows.in(0), const_cast<void*>(weights), const_cast<int32_t*>(pair_slot),
+                         rows.out(0)},
+                        p.Describe(kCombineName));
+  if (!st.ok) return st;
+  Slot& s = rv.slot();
+  if (!rows.direct()) {
+    rows.StageIn();
+    st = rv.Barrier("stage-in");
+    if (!st.ok) return rv.Fail(st);
+  }
+
+  // Each token's weighted sum runs on its own rank's cores, reading the
+  // expert rows straight from their owners.
+  const TokenTasks tasks(p);
+  Stats& stats = GlobalStats();
+  std::atomic<int64_t> moved_total{0};
+  WithFloatType(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename AccOf<T>::type;
+    RunShared(s, tasks.count(n), [&](uint64_t i) {
+      const TokenTasks::Task task = tasks.at(i);
+      const int32_t* slots = static_cast<const int32_t*>(s.ptrs[task.rank][2]);
+      const A* w = static_cast<const A*>(s.ptrs[task.rank][1]);
+      T* out = static_cast<T*>(s.ptrs[task.rank][3]);
+      std::vector<A> acc(h);
+      int64_t rows = 0;
+      for (int64_t t = task.first; t < task.end; ++t) {
+        std::fill(acc.begin(), acc.end(), A(0));
+        for (int64_t k = 0; k < k_top; ++k) {
+          const int64_t slot = slots[t * k_top + k];
+          if (slot < 0 || slot >= all_slots) continue;
+          const T* row = static_cast<const T*>(s.ptrs[slot / slots_per_rank][0]) +
+                         (slot % slots_per_rank) * h;
+          Axpy(acc.data(), row, w[t * k_top + k], h);
+          rows++;
+        }
+        for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
+      }
+      const int64_t touched = (rows + (task.end - task.first)) * rb;
+      if (touched > 0)
+        stats.AddLaneBytes(false, s.devices[task.rank], static_cast<int>(task.chunk % p.cores),
+                           p.cores, touched);
+      moved_total += rows * rb;
+    });
+  });
+  if (rows.direct()) stats.bytes_direct += moved_total.load();
+  stats.bytes_exchanged += moved_total.load();
+  st = rv.Barrier("combine");
+  if (!st.ok) return rv.Fail(st);
+  rows.StageOut();
+  return Status::Ok();
+}
+
+Status MoeCombineBackward(const MoeParams& p, const MoeCall& c, const void* ct_y,
+                          const void* expert_y, const void* weights, const int32_t* pair_slot,
+                          const int32_t* slot_source, void* d_expert_y, void* d_weights) {
+  STRATA_RETURN_IF_ERROR(CheckCall(kCombineBwdName, p, c));
+  if (!MoeSupportsCombine(p.dtype))
+    return Status::Error(std::string(kCombineBwdName) + ": rows must be a float type, got " +
+                         DTypeName(p.dtype));
+  const int n = p.group_size;
+  const int64_t el = p.local_experts(), cap = p.capacity, h = p.hidden, k_top = p.topk;
+  const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
+  const int64_t pairs = p.tokens * p.topk;
+  const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
+  RowBuffers rows(kCombineBwdName, p, c.device,
+                  {{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}, {weights, pairs * wsize}},
+                  {{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
+  STRATA_RETURN_IF_ERROR(rows.Acquire());
+  GlobalStats().ops++;
+
+  Rendezvous rv(MakeParticipant(kCombineBwdName, p, c));
+  Status st = rv.Arrive({rows.in(0), rows.in(1), rows.in(2), const_cast<int32_t*>(pair_slot),
+                         const_cast<int32_t*>(slot_source), rows.out(0), rows.out(1)},
+                        p.Describe(kCombineBwdName));
+  if (!st.ok) return st;
+  Slot& s = rv.slot();
+  if (!rows.direct()) {
+    rows.StageIn();
+    st = rv.Barrier("stage-in");
+    if (!st.ok) return rv.Fail(st);
+  }
+  enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };
+
+  // Two independent task families in one cursor: expert rows get the
+  // weighted cotangent of the token that filled them (scatter, like
+  // dispatch); each (token, k) gets its dot product with the expert row.
+  const ExpertTasks rows_tasks(p, rb);
+  const TokenTasks token_tasks(p);
+  const uint64_t first_token_task = rows_tasks.count(n);
+  Stats& stats = GlobalStats();
+  std::atomic<int64_t> moved_total{0};
+  WithFloatType(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using A = typename AccOf<T>::type;
+    RunShared(s, first_token_task + token_tasks.count(n), [&](uint64_t i) {
+      int64_t moved = 0, touched = 0;
+      int npu = 0, lane = 0;
+      if (i < first_token_task) {
+        const ExpertTasks::Task task = rows_tasks.at(i);
+        T* out = static_cast<T*>(s.ptrs[task.rank][kDEy]);
+        const int32_t* sources = static_cast<const int32_t*>(s.ptrs[task.rank][kSlotSource]);
+        for (int64_t row = task.first_row; row < task.end_row; ++row) {
+          const int32_t src = sources[row];
+          if (src < 0) {
+            std::fill(out + row * h, out + (row + 1) * h, Narrow<T>(A(0)));
+            touched += rb;
+            continue;
+          }
+          const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top;
+          const A w = static_cast<const A*>(s.ptrs[src_rank][kW])[pair];
+          Scale(out + row * h, static_cast<const T*>(s.ptrs[src_rank][kCt]) + token * h, w, h);
+          moved += rb;
+          touched += 2 * rb;
+        }
+        npu = s.devices[task.rank];
+        lane = static_cast<int>(task.chunk % p.cores);
+      } else {
+        const TokenTasks::Task task = token_tasks.at(i - first_token_task);
+        const int32_t* slots = static_cast<const int32_t*>(s.ptrs[task.rank][kPairSlot]);
+        const T* ct = static_cast<const T*>(s.ptrs[task.rank][kCt]);
+        A* dw = static_cast<A*>(s.ptrs[task.rank][kDW]);
+        for (int64_t t = task.first; t < task.end; ++t) {
+          for (int64_t k = 0; k < k_top; ++k) {
+            const int64_t slot = slots[t * k_top + k];
+            if (slot < 0 || slot >= all_slots) {
+              dw[t * k_top + k] = 0;
+              continue;
+            }
+            const T* row = static_cast<const T*>(s.ptrs[slot / slots_per_rank][kEy]) +
+                           (slot % slots_per_rank) * h;
+            dw[t * k_top + k] = Dot<T, A>(ct + t * h, row, h);
+            moved += rb;
+            touched += 2 * rb;
+          }
+        }
+        npu = s.devices[task.rank];
+        lane = static_cast<int>(task.chunk % p.cores);
+      }
+      if (touched > 0) stats.AddLaneBytes(false, npu, lane, p.cores, touched);
+      moved_total += moved;
+    });
+  });
+  if (rows.direct()) stats.bytes_direct += moved_total.load();
+  stats.bytes_exchanged += moved_total.load();
+  st = rv.Barrier("combine-backward");
+  if (!st.ok) return rv.Fail(st);
+  rows.StageOut();
+  return Status::Ok();
+}
+
+}  // namespace strata

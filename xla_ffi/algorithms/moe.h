@@ -1,0 +1,74 @@
+// MoE expert parallelism: token dispatch to the ranks that own the experts,
+// and the weighted combine back. E experts are spread evenly over the group
+// (rank r owns experts [r*E_local, (r+1)*E_local)); each local expert has
+// `capacity` rows. The layout is computed from every rank's routing when the
+// group meets, and each routed row then moves once, between user buffers.
+//
+// Layout encodings shared by the ops (all int32):
+//   pair_slot[t*K+k]  (source side) = e*capacity + row, the global slot of
+//                     the pair (t, k) routed to expert e, or -1 if dropped.
+//                     The owning rank is e / E_local.
+//   slot_source[l*capacity+row] (expert side) = (src*T + t)*K + k, the pair
+//                     that filled that row of local expert l, or -1.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "../runtime/collective.h"
+#include "../runtime/dtypes.h"
+#include "../runtime/status.h"
+
+namespace strata {
+
+// What the op is; identical on every rank (checked at the rendezvous).
+struct MoeParams {
+  int32_t group_size = 1;
+  int32_t num_experts = 1;
+  int64_t capacity = 0;
+  int64_t tokens = 0, topk = 0, hidden = 0;  // per rank
+  DType dtype = DType::F32;                   // token / expert rows
+  int32_t cores = 1, engines = 1;
+  // kBufferCentric: the vendor-library baseline. Rows peers read are first
+  // copied into this rank's communication buffer, results are written to one
+  // and copied out (each at most comm_buffer_bytes).
+  Mode mode = Mode::kStrata;
+  int64_t comm_buffer_bytes = 200 << 20;
+
+  int64_t local_experts() const { return num_experts / group_size; }
+  int64_t row_bytes() const { return hidden * static_cast<int64_t>(DTypeSize(dtype)); }
+  std::string Describe(const char* opname) const;
+};
+
+// Who is calling.
+struct MoeCall {
+  int64_t run_id = 0;
+  int64_t site_id = 0;
+  int32_t group_id = 0;
+  int32_t rank = 0;
+  int32_t device = 0;
+  double timeout_s = 60.0;
+};
+
+// Weights and their gradients are float64 for float64 rows, float32 otherwise.
+DType MoeWeightDType(DType rows);
+bool MoeSupportsCombine(DType rows);
+
+// x [T, H], topk_idx [T, K] -> recv_x [E_local, C, H] (rows past the count
+// zeroed), pair_slot [T, K], slot_source [E_local, C], recv_counts [E_local],
+// dropped (pairs of this rank that found their expert full).
+Status MoeDispatch(const MoeParams& p, const MoeCall& c, const void* x, const int32_t* topk_idx,
+                   void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
+                   int32_t* dropped);
+
+// y[t] = sum_k weights[t, k] * expert_y[slot of (t, k)], dropped pairs adding 0.
+Status MoeCombine(const MoeParams& p, const MoeCall& c, const void* expert_y, const void* weights,
+                  const int32_t* pair_slot, void* y);
+
+// The VJP of combine for the cotangent ct_y [T, H]:
+//   d_expert_y[slot] = weights[t, k] * ct_y[t]  (zero rows for empty slots),
+//   d_weights[t, k]  = <ct_y[t], expert_y[slot of (t, k)]>  (0 if dropped).
+Status MoeCombineBackward(const MoeParams& p, const MoeCall& c, const void* ct_y,
+                          const void* expert_y, const void* weights, const int32_t* pair_slot,
+                          const int32_t* slot_source, void* d_expert_y, void* d_weights);
+
+}  // namespace strata

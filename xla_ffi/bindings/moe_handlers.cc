@@ -1,0 +1,279 @@
+// FFI handlers of MoE dispatch/combine: decode shapes and attributes, check
+// them, hand the call to the runtime (algorithms/moe.h).
+#include "moe_handlers.h"
+
+#include <optional>
+#include <string>
+
+#include "../algorithms/moe.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace strata {
+namespace {
+
+std::optional<DType> RowDType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return DType::F32;
+    case ffi::DataType::F64: return DType::F64;
+    case ffi::DataType::F16: return DType::F16;
+    case ffi::DataType::BF16: return DType::BF16;
+    case ffi::DataType::S8: return DType::S8;
+    case ffi::DataType::S32: return DType::S32;
+    case ffi::DataType::S64: return DType::S64;
+    case ffi::DataType::U8: return DType::U8;
+    case ffi::DataType::U32: return DType::U32;
+    case ffi::DataType::PRED: return DType::PRED;
+    default: return std::nullopt;
+  }
+}
+
+ffi::DataType WeightType(DType rows) {
+  return MoeWeightDType(rows) == DType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
+}
+
+ffi::Error Invalid(const char* op, const std::string& why) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(op) + ": " + why);
+}
+
+// XLA:CPU deadlocks itself when its client pool has fewer than two threads
+// per device (a blocked launch holds the threads a running op needs).
+std::optional<ffi::Error> CheckPool(const char* op, ffi::ThreadPool pool, int32_t num_devices) {
+  const int64_t threads = pool.num_threads();
+  if (threads >= 2 * static_cast<int64_t>(num_devices)) return std::nullopt;
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string(op) + ": XLA:CPU's client thread pool has " +
+                        std::to_string(threads) + " threads, but a program on " +
+                        std::to_string(num_devices) + " devices needs at least " +
+                        std::to_string(2 * num_devices) + " or XLA can hang. Set PJRT_NPROC=" +
+                        std::to_string(2 * num_devices) +
+                        " (or more) before JAX starts; importing stratacl_jax before the first "
+                        "JAX computation does this for you.");
+}
+
+bool HasDims(ffi::AnyBuffer::Dimensions d, std::initializer_list<int64_t> want) {
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want)
+    if (d[i++] != w) return false;
+  return true;
+}
+
+std::string Shape(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+MoeCall MakeCall(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32> meta, int64_t site_id,
+                 int64_t timeout_ms) {
+  MoeCall c;
+  c.run_id = run.run_id;
+  c.site_id = site_id;
+  c.rank = meta.typed_data()[0];
+  c.group_id = meta.typed_data()[1];
+  c.device = device;
+  c.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
+  return c;
+}
+
+ffi::Error ToFfi(const Status& st) {
+  return st.ok ? ffi::Error::Success() : ffi::Error(ffi::ErrorCode::kAborted, st.message);
+}
+
+constexpr const char* kDispatch = "strata.moe.dispatch";
+constexpr const char* kCombine = "strata.moe.combine";
+
+ffi::Error DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> meta,
+                        ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::Buffer<ffi::S32>> pair_slot,
+                        ffi::Result<ffi::Buffer<ffi::S32>> slot_source,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
+                        ffi::Result<ffi::Buffer<ffi::S32>> dropped, int64_t site_id,
+                        int32_t group_size, int32_t num_devices, int32_t num_experts,
+                        int64_t capacity, int32_t cores, int32_t engines, int32_t mode,
+                        int64_t comm_buffer_bytes, int64_t timeout_ms) {
+  if (auto err = CheckPool(kDispatch, pool, num_devices)) return *err;
+  std::optional<DType> dtype = RowDType(x.element_type());
+  if (!dtype) return Invalid(kDispatch, "unsupported token dtype");
+  if (meta.element_count() != 2) return Invalid(kDispatch, "rank operand must hold (rank, group)");
+  if (group_size < 1 || num_experts < 1 || num_experts % group_size != 0)
+    return Invalid(kDispatch, "num_experts must be a positive multiple of the group size");
+  auto xd = x.dimensions();
+  auto id = topk_idx.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0])
+    return Invalid(kDispatch, "x must be [T, H] and topk_idx [T, K], got " + Shape(xd) + " and " +
+                                  Shape(id));
+  MoeParams p;
+  p.group_size = group_size;
+  p.num_experts = num_experts;
+  p.capacity = capacity;
+  p.tokens = xd[0];
+  p.hidden = xd[1];
+  p.topk = id[1];
+  p.dtype = *dtype;
+  p.cores = cores;
+  p.engines = engines;
+  p.mode = static_cast<Mode>(mode);
+  p.comm_buffer_bytes = comm_buffer_bytes;
+  const int64_t el = p.local_experts();
+  if (recv_x->element_type() != x.element_type() ||
+      !HasDims(recv_x->dimensions(), {el, capacity, p.hidden}) ||
+      !HasDims(pair_slot->dimensions(), {p.tokens, p.topk}) ||
+      !HasDims(slot_source->dimensions(), {el, capacity}) ||
+      !HasDims(recv_counts->dimensions(), {el}) || dropped->element_count() != 1)
+    return Invalid(kDispatch, "result shapes do not match the operands");
+  return ToFfi(MoeDispatch(p, MakeCall(device, run, meta, site_id, timeout_ms), x.untyped_data(),
+                           topk_idx.typed_data(), recv_x->untyped_data(), pair_slot->typed_data(),
+                           slot_source->typed_data(), recv_counts->typed_data(),
+                           dropped->typed_data()));
+}
+
+// Fills the params a combine-family call shares, from expert_y [E_local, C, H]
+// and the pair slots [T, K].
+std::optional<ffi::Error> CombineParams(const char* op, ffi::AnyBuffer expert_y,
+                                        ffi::AnyBuffer weights, ffi::Buffer<ffi::S32> pair_slot,
+                                        ffi::Buffer<ffi::S32> meta, int32_t group_size,
+                                        int32_t cores, int32_t engines, int32_t mode,
+                                        int64_t comm_buffer_bytes, MoeParams* p) {
+  std::optional<DType> dtype = RowDType(expert_y.element_type());
+  if (!dtype || !MoeSupportsCombine(*dtype))
+    return Invalid(op, "expert rows must be float32, float64, float16 or bfloat16");
+  if (meta.element_count() != 2) return Invalid(op, "rank operand must hold (rank, group)");
+  auto ed = expert_y.dimensions();
+  auto sd = pair_slot.dimensions();
+  if (ed.size() != 3 || sd.size() != 2)
+    return Invalid(op, "expert_y must be [E_local, C, H] and the slots [T, K], got " + Shape(ed) +
+                           " and " + Shape(sd));
+  if (group_size < 1) return Invalid(op, "group_size must be positive");
+  if (weights.element_type() != WeightType(*dtype) || !HasDims(weights.dimensions(), {sd[0], sd[1]}))
+    return Invalid(op, "weights must be [T, K] of the accumulation type");
+  p->group_size = group_size;
+  p->num_experts = static_cast<int32_t>(ed[0] * group_size);
+  p->capacity = ed[1];
+  p->hidden = ed[2];
+  p->tokens = sd[0];
+  p->topk = sd[1];
+  p->dtype = *dtype;
+  p->cores = cores;
+  p->engines = engines;
+  p->mode = static_cast<Mode>(mode);
+  p->comm_buffer_bytes = comm_buffer_bytes;
+  return std::nullopt;
+}
+
+ffi::Error CombineImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
+                       ffi::AnyBuffer expert_y, ffi::AnyBuffer weights,
+                       ffi::Buffer<ffi::S32> pair_slot, ffi::Buffer<ffi::S32> meta,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t site_id, int32_t group_size,
+                       int32_t num_devices, int32_t cores, int32_t engines, int32_t mode,
+                        int64_t comm_buffer_bytes, int64_t timeout_ms) {
+  if (auto err = CheckPool(kCombine, pool, num_devices)) return *err;
+  MoeParams p;
+  if (auto err = CombineParams(kCombine, expert_y, weights, pair_slot, meta, group_size, cores,
+                               engines, mode, comm_buffer_bytes, &p))
+    return *err;
+  if (y->element_type() != expert_y.element_type() || !HasDims(y->dimensions(), {p.tokens, p.hidden}))
+    return Invalid(kCombine, "y must be [T, H] of expert_y's dtype");
+  return ToFfi(MoeCombine(p, MakeCall(device, run, meta, site_id, timeout_ms),
+                          expert_y.untyped_data(), weights.untyped_data(), pair_slot.typed_data(),
+                          y->untyped_data()));
+}
+
+ffi::Error CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
+                               ffi::AnyBuffer ct_y, ffi::AnyBuffer expert_y, ffi::AnyBuffer weights,
+                               ffi::Buffer<ffi::S32> pair_slot, ffi::Buffer<ffi::S32> slot_source,
+                               ffi::Buffer<ffi::S32> meta, ffi::Result<ffi::AnyBuffer> d_expert_y,
+                               ffi::Result<ffi::AnyBuffer> d_weights, int64_t site_id,
+                               int32_t group_size, int32_t num_devices, int32_t cores,
+                               int32_t engines, int32_t mode, int64_t comm_buffer_bytes,
+                               int64_t timeout_ms) {
+  if (auto err = CheckPool(kCombine, pool, num_devices)) return *err;
+  MoeParams p;
+  if (auto err = CombineParams(kCombine, expert_y, weights, pair_slot, meta, group_size, cores,
+                               engines, mode, comm_buffer_bytes, &p))
+    return *err;
+  const int64_t el = p.local_experts();
+  if (ct_y.element_type() != expert_y.element_type() ||
+      !HasDims(ct_y.dimensions(), {p.tokens, p.hidden}) ||
+      !HasDims(slot_source.dimensions(), {el, p.capacity}) ||
+      d_expert_y->element_type() != expert_y.element_type() ||
+      !HasDims(d_expert_y->dimensions(), {el, p.capacity, p.hidden}) ||
+      d_weights->element_type() != weights.element_type() ||
+      !HasDims(d_weights->dimensions(), {p.tokens, p.topk}))
+    return Invalid(kCombine, "backward operand shapes do not match");
+  return ToFfi(MoeCombineBackward(p, MakeCall(device, run, meta, site_id, timeout_ms),
+                                  ct_y.untyped_data(), expert_y.untyped_data(),
+                                  weights.untyped_data(), pair_slot.typed_data(),
+                                  slot_source.typed_data(), d_expert_y->untyped_data(),
+                                  d_weights->untyped_data()));
+}
+
+}  // namespace
+}  // namespace strata
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataMoeDispatch, strata::DispatchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()           // x [T, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx [T, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // (rank, group)
+                                  .Ret<ffi::AnyBuffer>()           // recv_x [E_local, C, H]
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // pair_slot [T, K]
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // slot_source [E_local, C]
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_counts [E_local]
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // dropped []
+                                  .Attr<int64_t>("site_id")
+                                  .Attr<int32_t>("group_size")
+                                  .Attr<int32_t>("num_devices")
+                                  .Attr<int32_t>("num_experts")
+                                  .Attr<int64_t>("capacity")
+                                  .Attr<int32_t>("cores")
+                                  .Attr<int32_t>("engines")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int64_t>("comm_buffer_bytes")
+                                  .Attr<int64_t>("timeout_ms"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataMoeCombine, strata::CombineImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()           // expert_y [E_local, C, H]
+                                  .Arg<ffi::AnyBuffer>()           // weights [T, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // pair_slot [T, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // (rank, group)
+                                  .Ret<ffi::AnyBuffer>()           // y [T, H]
+                                  .Attr<int64_t>("site_id")
+                                  .Attr<int32_t>("group_size")
+                                  .Attr<int32_t>("num_devices")
+                                  .Attr<int32_t>("cores")
+                                  .Attr<int32_t>("engines")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int64_t>("comm_buffer_bytes")
+                                  .Attr<int64_t>("timeout_ms"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataMoeCombineBackward, strata::CombineBackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()           // ct_y [T, H]
+                                  .Arg<ffi::AnyBuffer>()           // expert_y [E_local, C, H]
+                                  .Arg<ffi::AnyBuffer>()           // weights [T, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // pair_slot [T, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // slot_source [E_local, C]
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // (rank, group)
+                                  .Ret<ffi::AnyBuffer>()           // d_expert_y
+                                  .Ret<ffi::AnyBuffer>()           // d_weights
+                                  .Attr<int64_t>("site_id")
+                                  .Attr<int32_t>("group_size")
+                                  .Attr<int32_t>("num_devices")
+                                  .Attr<int32_t>("cores")
+                                  .Attr<int32_t>("engines")
+                                  .Attr<int32_t>("mode")
+                                  .Attr<int64_t>("comm_buffer_bytes")
+                                  .Attr<int64_t>("timeout_ms"));

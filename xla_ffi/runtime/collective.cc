@@ -142,7 +142,12 @@ Communicator* GetCommunicator(const std::vector<int32_t>& devices) {
 struct Setup {
   Communicator* comm = nullptr;
   std::shared_ptr<const Plan> plan;
+  bool done = false;  // the last rank in already ran the whole op
 };
+
+// Below this many bytes moved by the whole group, waking every rank to share
+// the work costs more than the work: the last rank in does it alone.
+constexpr int64_t kInlineGroupBytes = 256 << 10;
 
 // Where each rank's blocks live during one phase: the user buffers (strata
 // mode) or a window of columns staged in comm buffers (buffer_centric).
@@ -224,8 +229,8 @@ void RunTasks(Slot& s, const Plan& plan, const View& v, bool direct) {
   if (direct) stats.bytes_direct += written_total;
 }
 
-Status RunStrataMode(Rendezvous& rv, const Plan& plan, const OpParams& p) {
-  Slot& s = rv.slot();
+// The ranks' own buffers, as one view for the whole message.
+View DirectView(Slot& s, const OpParams& p) {
   View v;
   for (int r = 0; r < s.n; ++r) {
     v.in.push_back(static_cast<const char*>(s.ptrs[r][0]));
@@ -237,7 +242,12 @@ Status RunStrataMode(Rendezvous& rv, const Plan& plan, const OpParams& p) {
   v.block_stride = p.block_bytes;
   v.col_lo = 0;
   v.col_hi = p.block_bytes;
-  RunTasks(s, plan, v, /*direct=*/true);
+  return v;
+}
+
+Status RunStrataMode(Rendezvous& rv, const Plan& plan, const OpParams& p) {
+  Slot& s = rv.slot();
+  RunTasks(s, plan, DirectView(s, p), /*direct=*/true);
   // Nobody may return (and let XLA reuse its input) while a peer still reads it.
   return rv.Barrier("exchange");
 }
@@ -330,12 +340,16 @@ Status RunCollective(const OpParams& p, const RankCall& c) {
     setup->comm = GetCommunicator(s.devices);
     setup->plan = setup->comm->GetPlan(p);
     if (p.mode == Mode::kBufferCentric) STRATA_RETURN_IF_ERROR(setup->comm->EnsureBuffers(p.comm_buffer_bytes));
+    if (p.mode == Mode::kStrata && (in_bytes + out_bytes) * p.group_size <= kInlineGroupBytes) {
+      RunTasks(s, *setup->plan, DirectView(s, p), /*direct=*/true);
+      setup->done = true;
+    }
     s.shared = setup;
     return Status::Ok();
   });
   if (!st.ok) return st;
-  if (p.block_bytes == 0) return Status::Ok();
   const Setup& setup = *std::static_pointer_cast<Setup>(rv.slot().shared);
+  if (setup.done || p.block_bytes == 0) return Status::Ok();
   st = p.mode == Mode::kStrata ? RunStrataMode(rv, *setup.plan, p)
                                : RunBufferCentricMode(rv, setup, p, c);
   return st.ok ? st : rv.Fail(st);

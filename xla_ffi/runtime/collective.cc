@@ -218,12 +218,17 @@ Moved RunTask(const Plan& plan, const LaneTask& task, const View& v) {
 void RunTasks(Slot& s, const Plan& plan, const View& v, bool direct) {
   Stats& stats = GlobalStats();
   int64_t written_total = 0;
-  RunShared(s, plan.tasks.size(), [&](uint64_t i) {
-    const LaneTask& task = plan.tasks[i];
-    Moved moved = RunTask(plan, task, v);
-    if (moved.touched == 0) return;
-    stats.AddLaneBytes(!plan.is_reduction(), s.devices[task.npu], task.lane, plan.lanes_per_npu, moved.touched);
-    written_total += moved.written;
+  std::vector<Stats::LaneBytes> lane_bytes;
+  RunShared(s, plan.chunk_starts.size() - 1, [&](uint64_t chunk) {
+    lane_bytes.clear();
+    for (uint32_t i = plan.chunk_starts[chunk]; i < plan.chunk_starts[chunk + 1]; ++i) {
+      const LaneTask& task = plan.tasks[i];
+      Moved moved = RunTask(plan, task, v);
+      if (moved.touched == 0) continue;
+      lane_bytes.push_back({s.devices[task.npu], task.lane, moved.touched});
+      written_total += moved.written;
+    }
+    stats.AddLaneBytes(!plan.is_reduction(), plan.lanes_per_npu, lane_bytes);
   });
   stats.bytes_exchanged += written_total;
   if (direct) stats.bytes_direct += written_total;

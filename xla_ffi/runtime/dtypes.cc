@@ -78,27 +78,29 @@ inline S WrapCombine(ReduceOp op, S a, S b) {
 
 template <typename T, typename Fold>
 void ReduceLoop(T* const* outs, int num_outs, const void* const* srcs, int n, size_t count, Fold fold) {
-  // Blocked so the accumulator stays in L1 while the sources stream by, four
-  // at a time (one accumulator pass per four sources), then written to every
-  // destination. The fold order is still source 0, 1, 2, ... for every element.
-  // 32 KiB strips: long enough per source for the hardware prefetcher, small
-  // enough that the accumulator stays in L2.
+  // Strips of 32 KiB: long enough per source for the hardware prefetcher,
+  // small enough that the accumulator stays in L2 while the sources stream
+  // by, up to four per pass; then the strip is written to every destination.
+  // The fold order is source 0, 1, 2, ... for every element.
   constexpr size_t kBlock = (32 << 10) / sizeof(T);
   alignas(64) T acc[kBlock];
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t len = std::min(kBlock, count - base);
     std::memcpy(acc, static_cast<const T*>(srcs[0]) + base, len * sizeof(T));
-    int k = 1;
-    for (; k + 3 < n; k += 4) {
+    // Fold up to four sources per accumulator pass.
+    for (int k = 1; k < n;) {
+      const int take = std::min(4, n - k);
       const T* __restrict a = static_cast<const T*>(srcs[k]) + base;
-      const T* __restrict b = static_cast<const T*>(srcs[k + 1]) + base;
-      const T* __restrict c = static_cast<const T*>(srcs[k + 2]) + base;
-      const T* __restrict d = static_cast<const T*>(srcs[k + 3]) + base;
-      for (size_t i = 0; i < len; ++i) acc[i] = fold(fold(fold(fold(acc[i], a[i]), b[i]), c[i]), d[i]);
-    }
-    for (; k < n; ++k) {
-      const T* __restrict a = static_cast<const T*>(srcs[k]) + base;
-      for (size_t i = 0; i < len; ++i) acc[i] = fold(acc[i], a[i]);
+      const T* __restrict b = static_cast<const T*>(srcs[k + (take > 1)]) + base;
+      const T* __restrict c = static_cast<const T*>(srcs[k + 2 * (take > 2)]) + base;
+      const T* __restrict d = static_cast<const T*>(srcs[k + 3 * (take > 3)]) + base;
+      switch (take) {
+        case 4: for (size_t i = 0; i < len; ++i) acc[i] = fold(fold(fold(fold(acc[i], a[i]), b[i]), c[i]), d[i]); break;
+        case 3: for (size_t i = 0; i < len; ++i) acc[i] = fold(fold(fold(acc[i], a[i]), b[i]), c[i]); break;
+        case 2: for (size_t i = 0; i < len; ++i) acc[i] = fold(fold(acc[i], a[i]), b[i]); break;
+        default: for (size_t i = 0; i < len; ++i) acc[i] = fold(acc[i], a[i]); break;
+      }
+      k += take;
     }
     for (int d = 0; d < num_outs; ++d) std::memcpy(outs[d] + base, acc, len * sizeof(T));
   }

@@ -24,7 +24,8 @@ inline int64_t BytesPerColumn(const Transfer& t) { return t.src_count + t.dst_co
 
 }  // namespace
 
-void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes) {
+void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
+               int64_t host_chunk_bytes) {
   const int64_t m = plan.block_bytes;
   const int n = plan.num_ranks;
   // Element alignment is the hard constraint; cache lines are the soft one.
@@ -102,6 +103,18 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
       if (task.piece_end > task.piece_begin) plan.tasks.push_back(task);
     }
   }
+
+  // 3. Host chunks.
+  plan.chunk_starts.clear();
+  int64_t acc = host_chunk_bytes;
+  for (uint32_t t = 0; t < plan.tasks.size(); ++t) {
+    if (acc >= host_chunk_bytes) {
+      plan.chunk_starts.push_back(t);
+      acc = 0;
+    }
+    acc += plan.tasks[t].bytes;
+  }
+  plan.chunk_starts.push_back(static_cast<uint32_t>(plan.tasks.size()));
 }
 
 double LaneImbalance(const Plan& plan) {

@@ -56,6 +56,10 @@ struct Plan {
   int32_t lanes_per_npu = 0;
   std::vector<Piece> pieces;
   std::vector<LaneTask> tasks;
+  // Host work units: runs of consecutive lane tasks [chunk_starts[i],
+  // chunk_starts[i+1]). Lanes are the emulated hardware's split; a host
+  // thread takes a few at once so tiny lanes do not cost a dispatch each.
+  std::vector<uint32_t> chunk_starts;
 
   bool is_reduction() const { return op != ReduceOp::kNone; }
   void Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts);
@@ -63,12 +67,13 @@ struct Plan {
 
 // Splits every transfer's columns over its destination ranks (each computes a
 // share and writes it to all destinations), then splits each NPU's pieces
-// over `lanes` lanes. kBalanced gives every lane an equal share of bytes,
+// over `lanes` lanes, and groups lanes into host chunks of about
+// `host_chunk_bytes`. kBalanced gives every lane an equal share of bytes,
 // cut at `align`-byte column boundaries; kNaive gives each piece whole to
 // lane (index mod lanes), which is what a per-peer loop does. Lanes carry at
 // least `min_lane_bytes` so tiny messages do not fan out into empty work.
 void Partition(Plan& plan, int lanes, Planner planner, int64_t align = 64,
-               int64_t min_lane_bytes = 16384);
+               int64_t min_lane_bytes = 16384, int64_t host_chunk_bytes = 256 << 10);
 
 // max/mean of the bytes per used lane over all NPUs' lanes (1.0 is perfect).
 double LaneImbalance(const Plan& plan);

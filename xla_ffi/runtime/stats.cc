@@ -10,6 +10,16 @@ void Stats::AddLaneBytes(bool sdma, int npu, int lane, int lanes, int64_t bytes)
   table[npu][lane] += bytes;
 }
 
+void Stats::AddLaneBytes(bool sdma, int lanes, const std::vector<LaneBytes>& batch) {
+  std::lock_guard<std::mutex> lock(mu);
+  auto& table = sdma ? sdma_bytes : core_bytes;
+  for (const LaneBytes& b : batch) {
+    if (static_cast<int>(table.size()) <= b.npu) table.resize(b.npu + 1);
+    if (static_cast<int>(table[b.npu].size()) < lanes) table[b.npu].resize(lanes, 0);
+    table[b.npu][b.lane] += b.bytes;
+  }
+}
+
 void Stats::Reset() {
   for (auto* c : {&ops, &bytes_direct, &bytes_staged, &bytes_exchanged, &registrations,
                   &bytes_registered, &registry_lookups, &registry_hits, &registry_misses, &operand_registry_misses})

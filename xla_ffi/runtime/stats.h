@@ -26,6 +26,12 @@ struct Stats {
   std::vector<std::vector<int64_t>> sdma_bytes;
 
   void AddLaneBytes(bool sdma, int npu, int lane, int lanes, int64_t bytes);
+  struct LaneBytes {
+    int npu, lane;
+    int64_t bytes;
+  };
+  // One lock for a batch of lanes (a host chunk's worth).
+  void AddLaneBytes(bool sdma, int lanes, const std::vector<LaneBytes>& batch);
   void Reset();
 };
 

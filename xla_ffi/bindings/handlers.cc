@@ -31,12 +31,22 @@ std::optional<DType> ToDType(ffi::DataType t) {
   }
 }
 
-ffi::Error Invalid(OpKind kind, const std::string& why) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(OpName(kind)) + ": " + why);
+ffi::Future Failed(ffi::ErrorCode code, std::string why) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(ffi::Error(code, std::move(why)));
+  return future;
 }
 
+ffi::Future Invalid(OpKind kind, const std::string& why) {
+  return Failed(ffi::ErrorCode::kInvalidArgument, std::string(OpName(kind)) + ": " + why);
+}
+
+// Asynchronous: the handler joins its group and returns a future at once, so
+// it never holds one of XLA's threads while peers are still on their way
+// (held threads starve the computations those peers must finish first).
 template <OpKind kKind>
-ffi::Error CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
+ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                           ffi::AnyBuffer x, ffi::Buffer<ffi::S32> meta,
                           ffi::Result<ffi::AnyBuffer> out, int64_t site_id, int32_t reduce_op,
                           int32_t root, ffi::Span<const int32_t> perm, int32_t group_size,
@@ -52,7 +62,7 @@ ffi::Error CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   const int64_t threads = pool.num_threads();
   const int64_t needed = 2 * static_cast<int64_t>(num_devices);
   if (threads < std::min(needed, kReportedPoolCap)) {
-    return ffi::Error(
+    return Failed(
         ffi::ErrorCode::kFailedPrecondition,
         std::string(OpName(kKind)) + ": XLA:CPU's client thread pool has " +
             std::to_string(threads) + " threads, but a program on " +
@@ -90,7 +100,12 @@ ffi::Error CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
     return Invalid(kKind, "buffer sizes " + std::to_string(in_bytes) + " -> " +
                               std::to_string(out_bytes) + " do not fit block_bytes " +
                               std::to_string(block_bytes));
-  if (in_row == 0) return ffi::Error::Success();  // nothing to move on any rank
+  if (in_row == 0) {  // nothing to move on any rank
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    promise.SetAvailable();
+    return future;
+  }
 
   RankCall c;
   c.run_id = run.run_id;
@@ -101,9 +116,16 @@ ffi::Error CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   c.in = x.untyped_data();
   c.out = out->untyped_data();
   c.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
-  Status st = RunCollective(p, c);
-  if (!st.ok) return ffi::Error(ffi::ErrorCode::kAborted, st.message);
-  return ffi::Error::Success();
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  RunCollectiveAsync(p, c, [promise](const Status& st) mutable {
+    if (st.ok) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(ffi::Error(ffi::ErrorCode::kAborted, st.message));
+    }
+  });
+  return future;
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -83,15 +84,16 @@ namespace {
 // ---------------------------------------------------------------------------
 struct CommBuffers {
   int64_t bytes = 0;
-  char* in = nullptr;
-  char* out = nullptr;
+  std::vector<char*> in, out;  // per rank
 };
 
 struct Communicator {
   std::vector<int32_t> devices;
   std::mutex mu;
   std::map<std::string, std::shared_ptr<const Plan>> plans;
-  std::vector<CommBuffers> buffers;
+  // Buffer sets not in use. Ops the program runs concurrently on one
+  // communicator each take their own set, as HCCL's streams would.
+  std::vector<std::unique_ptr<CommBuffers>> idle_buffers;
 
   std::shared_ptr<const Plan> GetPlan(const OpParams& p) {
     std::string key = p.PlanKey();
@@ -104,24 +106,41 @@ struct Communicator {
     return plan;
   }
 
-  // HCCL-style: two buffers per rank, allocated and registered once.
-  Status EnsureBuffers(int64_t bytes) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (buffers.empty()) buffers.resize(devices.size());
-    for (size_t r = 0; r < devices.size(); ++r) {
-      CommBuffers& b = buffers[r];
-      if (b.bytes == bytes) continue;
-      std::free(b.in);
-      std::free(b.out);
-      size_t rounded = (static_cast<size_t>(bytes) + 4095) / 4096 * 4096;
-      b.in = static_cast<char*>(std::aligned_alloc(4096, rounded));
-      b.out = static_cast<char*>(std::aligned_alloc(4096, rounded));
-      if (!b.in || !b.out) return Status::Error("cannot allocate communication buffers");
-      b.bytes = bytes;
-      GlobalRegistry().Register(devices[r], reinterpret_cast<uintptr_t>(b.in), bytes);
-      GlobalRegistry().Register(devices[r], reinterpret_cast<uintptr_t>(b.out), bytes);
+  // HCCL-style: an in and an out buffer per rank, allocated and registered
+  // once, then reused.
+  std::unique_ptr<CommBuffers> AcquireBuffers(int64_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto it = idle_buffers.begin(); it != idle_buffers.end(); ++it) {
+        if ((*it)->bytes != bytes) continue;
+        std::unique_ptr<CommBuffers> set = std::move(*it);
+        idle_buffers.erase(it);
+        return set;
+      }
     }
-    return Status::Ok();
+    auto set = std::make_unique<CommBuffers>();
+    set->bytes = bytes;
+    const size_t rounded = (static_cast<size_t>(bytes) + 4095) / 4096 * 4096;
+    for (int32_t device : devices) {
+      char* in = static_cast<char*>(std::aligned_alloc(4096, rounded));
+      char* out = static_cast<char*>(std::aligned_alloc(4096, rounded));
+      if (!in || !out) {
+        std::free(in);
+        std::free(out);
+        ReleaseBuffers(std::move(set));
+        return nullptr;
+      }
+      set->in.push_back(in);
+      set->out.push_back(out);
+      GlobalRegistry().Register(device, reinterpret_cast<uintptr_t>(in), bytes);
+      GlobalRegistry().Register(device, reinterpret_cast<uintptr_t>(out), bytes);
+    }
+    return set;
+  }
+
+  void ReleaseBuffers(std::unique_ptr<CommBuffers> set) {
+    std::lock_guard<std::mutex> lock(mu);
+    idle_buffers.push_back(std::move(set));
   }
 };
 
@@ -139,14 +158,8 @@ Communicator* GetCommunicator(const std::vector<int32_t>& devices) {
 }
 
 // What the last rank to arrive sets up for the whole group.
-struct Setup {
-  Communicator* comm = nullptr;
-  std::shared_ptr<const Plan> plan;
-  bool done = false;  // the last rank in already ran the whole op
-};
-
-// Below this many bytes moved by the whole group, waking every rank to share
-// the work costs more than the work: the last rank in does it alone.
+// Below this many bytes moved by the whole group, handing the op to the
+// workers costs more than the work: the last rank in does it on the spot.
 constexpr int64_t kInlineGroupBytes = 256 << 10;
 
 // Where each rank's blocks live during one phase: the user buffers (strata
@@ -215,27 +228,31 @@ Moved RunTask(const Plan& plan, const LaneTask& task, const View& v) {
   return moved;
 }
 
-void RunTasks(Slot& s, const Plan& plan, const View& v, bool direct) {
-  Stats& stats = GlobalStats();
-  int64_t written_total = 0;
-  std::vector<Stats::LaneBytes> lane_bytes;
-  RunShared(s, plan.chunk_starts.size() - 1, [&](uint64_t chunk) {
-    lane_bytes.clear();
-    for (uint32_t i = plan.chunk_starts[chunk]; i < plan.chunk_starts[chunk + 1]; ++i) {
-      const LaneTask& task = plan.tasks[i];
-      Moved moved = RunTask(plan, task, v);
+// The exchange as a phase: one task per host chunk of lane tasks.
+Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, std::vector<int32_t> devices,
+                    bool direct) {
+  Phase phase;
+  phase.count = plan->chunk_starts.size() - 1;
+  phase.run = [plan, v = std::move(v), devices = std::move(devices), direct](uint64_t chunk) {
+    std::vector<Stats::LaneBytes> lane_bytes;
+    int64_t written = 0;
+    for (uint32_t i = plan->chunk_starts[chunk]; i < plan->chunk_starts[chunk + 1]; ++i) {
+      const LaneTask& task = plan->tasks[i];
+      Moved moved = RunTask(*plan, task, v);
       if (moved.touched == 0) continue;
-      lane_bytes.push_back({s.devices[task.npu], task.lane, moved.touched});
-      written_total += moved.written;
+      lane_bytes.push_back({devices[task.npu], task.lane, moved.touched});
+      written += moved.written;
     }
-    stats.AddLaneBytes(!plan.is_reduction(), plan.lanes_per_npu, lane_bytes);
-  });
-  stats.bytes_exchanged += written_total;
-  if (direct) stats.bytes_direct += written_total;
+    Stats& stats = GlobalStats();
+    stats.AddLaneBytes(!plan->is_reduction(), plan->lanes_per_npu, lane_bytes);
+    stats.bytes_exchanged += written;
+    if (direct) stats.bytes_direct += written;
+  };
+  return phase;
 }
 
 // The ranks' own buffers, as one view for the whole message.
-View DirectView(Slot& s, const OpParams& p) {
+View DirectView(const Slot& s, const OpParams& p) {
   View v;
   for (int r = 0; r < s.n; ++r) {
     v.in.push_back(static_cast<const char*>(s.ptrs[r][0]));
@@ -250,70 +267,67 @@ View DirectView(Slot& s, const OpParams& p) {
   return v;
 }
 
-Status RunStrataMode(Rendezvous& rv, const Plan& plan, const OpParams& p) {
-  Slot& s = rv.slot();
-  RunTasks(s, plan, DirectView(s, p), /*direct=*/true);
-  // Nobody may return (and let XLA reuse its input) while a peer still reads it.
-  return rv.Barrier("exchange");
-}
-
-// The vendor-library baseline: user data is copied into the rank's comm
+// The vendor-library baseline: each rank's data is copied into its comm
 // buffer, the exchange runs between comm buffers, and results are copied out,
-// in rounds of columns when the message is larger than the buffer.
-Status RunBufferCentricMode(Rendezvous& rv, const Setup& setup, const OpParams& p,
-                            const RankCall& c) {
-  Slot& s = rv.slot();
+// in rounds of columns when the message is larger than the buffer. Every
+// copy is one task of a phase; phases run in order.
+Status BufferCentricJob(const Slot& s, const CommBuffers& comm, std::shared_ptr<const Plan> plan,
+                        const OpParams& p, Job* job) {
   const int64_t m = p.block_bytes;
   const int64_t max_blocks = std::max(p.in_blocks, p.out_blocks);
   const int64_t esize = static_cast<int64_t>(DTypeSize(p.dtype));
   int64_t window = p.comm_buffer_bytes / (p.rows * max_blocks);
   window = window >= 64 ? window / 64 * 64 : window / esize * esize;
   if (window <= 0)
-    return Status::Error(rv.Prefix() + "comm_buffer_bytes=" + std::to_string(p.comm_buffer_bytes) +
+    return Status::Error("comm_buffer_bytes=" + std::to_string(p.comm_buffer_bytes) +
                          " cannot hold one column of " + std::to_string(p.rows * max_blocks) +
                          " blocks; raise strata.config(comm_buffer_bytes=...)");
-  Communicator& comm = *setup.comm;
+  std::vector<const char*> user_in;
+  std::vector<char*> user_out;
   View v;
   v.rows = p.rows;
   for (int r = 0; r < s.n; ++r) {
-    v.in.push_back(comm.buffers[r].in);
-    v.out.push_back(comm.buffers[r].out);
+    user_in.push_back(static_cast<const char*>(s.ptrs[r][0]));
+    user_out.push_back(static_cast<char*>(s.ptrs[r][1]));
+    v.in.push_back(comm.in[r]);
+    v.out.push_back(comm.out[r]);
   }
-  const char* user_in = static_cast<const char*>(c.in);
-  char* user_out = static_cast<char*>(c.out);
-  char* my_in = comm.buffers[c.rank].in;
-  char* my_out = comm.buffers[c.rank].out;
-  Stats& stats = GlobalStats();
+  const int64_t rows = p.rows, in_blocks = p.in_blocks, out_blocks = p.out_blocks;
   for (int64_t lo = 0; lo < m; lo += window) {
     const int64_t w = std::min(window, m - lo);
     v.col_lo = lo;
     v.col_hi = lo + w;
     v.block_stride = w;
-    v.in_row_stride = p.in_blocks * w;
-    v.out_row_stride = p.out_blocks * w;
-    // Stage in: this rank's columns [lo, lo+w) of every block and row.
-    for (int64_t row = 0; row < p.rows; ++row)
-      for (int64_t b = 0; b < p.in_blocks; ++b)
-        std::memcpy(my_in + (row * p.in_blocks + b) * w,
-                    user_in + (row * p.in_blocks + b) * m + lo, w);
-    stats.bytes_staged += p.rows * p.in_blocks * w;
-    STRATA_RETURN_IF_ERROR(rv.Barrier("stage-in"));
-    RunTasks(s, *setup.plan, v, /*direct=*/false);
-    STRATA_RETURN_IF_ERROR(rv.Barrier("exchange"));
-    // Stage out. The next round's stage-in barrier keeps peers from writing
-    // this comm buffer again before the copy is done.
-    for (int64_t row = 0; row < p.rows; ++row)
-      for (int64_t b = 0; b < p.out_blocks; ++b)
-        std::memcpy(user_out + (row * p.out_blocks + b) * m + lo,
-                    my_out + (row * p.out_blocks + b) * w, w);
-    stats.bytes_staged += p.rows * p.out_blocks * w;
+    v.in_row_stride = in_blocks * w;
+    v.out_row_stride = out_blocks * w;
+    // Stage in: rank r's columns [lo, lo+w) of every block and row.
+    Phase stage_in;
+    stage_in.count = s.n;
+    stage_in.run = [=](uint64_t r) {
+      char* comm_in = const_cast<char*>(v.in[r]);
+      for (int64_t row = 0; row < rows; ++row)
+        for (int64_t b = 0; b < in_blocks; ++b)
+          std::memcpy(comm_in + (row * in_blocks + b) * w, user_in[r] + (row * in_blocks + b) * m + lo, w);
+      GlobalStats().bytes_staged += rows * in_blocks * w;
+    };
+    Phase stage_out;
+    stage_out.count = s.n;
+    stage_out.run = [=](uint64_t r) {
+      for (int64_t row = 0; row < rows; ++row)
+        for (int64_t b = 0; b < out_blocks; ++b)
+          std::memcpy(user_out[r] + (row * out_blocks + b) * m + lo, v.out[r] + (row * out_blocks + b) * w, w);
+      GlobalStats().bytes_staged += rows * out_blocks * w;
+    };
+    job->phases.push_back(std::move(stage_in));
+    job->phases.push_back(ExchangePhase(plan, v, s.devices, /*direct=*/false));
+    job->phases.push_back(std::move(stage_out));
   }
   return Status::Ok();
 }
 
 }  // namespace
 
-Status RunCollective(const OpParams& p, const RankCall& c) {
+void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void(const Status&)> done) {
   Participant who;
   who.opname = OpName(p.kind);
   who.run_id = c.run_id;
@@ -324,8 +338,8 @@ Status RunCollective(const OpParams& p, const RankCall& c) {
   who.device = c.device;
   who.timeout_s = c.timeout_s;
   if (c.rank < 0 || c.rank >= p.group_size)
-    return Status::Error(std::string(who.opname) + ": rank " + std::to_string(c.rank) +
-                         " is out of range for a group of " + std::to_string(p.group_size));
+    return done(Status::Error(std::string(who.opname) + ": rank " + std::to_string(c.rank) +
+                              " is out of range for a group of " + std::to_string(p.group_size)));
   const int64_t in_bytes = p.rows * p.in_blocks * p.block_bytes;
   const int64_t out_bytes = p.rows * p.out_blocks * p.block_bytes;
   if (p.mode == Mode::kStrata) {
@@ -338,26 +352,38 @@ Status RunCollective(const OpParams& p, const RankCall& c) {
     Registry::PreferLargePages(c.out, out_bytes);
   }
   GlobalStats().ops++;
+  JoinAsync(who, {const_cast<void*>(c.in), c.out}, p.Describe(), std::move(done),
+            [&p, in_bytes, out_bytes](Slot& s, std::shared_ptr<Job>* job) -> Status {
+              if (p.block_bytes == 0) return Status::Ok();
+              Communicator* comm = GetCommunicator(s.devices);
+              std::shared_ptr<const Plan> plan = comm->GetPlan(p);
+              *job = std::make_shared<Job>();
+              if (p.mode == Mode::kBufferCentric) {
+                std::shared_ptr<CommBuffers> buffers = comm->AcquireBuffers(p.comm_buffer_bytes);
+                if (!buffers) return Status::Error("cannot allocate communication buffers");
+                auto release = [comm, buffers] {
+                  comm->ReleaseBuffers(std::make_unique<CommBuffers>(std::move(*buffers)));
+                };
+                Status st = BufferCentricJob(s, *buffers, plan, p, job->get());
+                if (!st.ok) release();
+                else (*job)->on_done = release;
+                return st;
+              }
+              Phase exchange = ExchangePhase(plan, DirectView(s, p), s.devices, /*direct=*/true);
+              if ((in_bytes + out_bytes) * p.group_size <= kInlineGroupBytes) {
+                for (uint64_t i = 0; i < exchange.count; ++i) exchange.run(i);
+              } else {
+                (*job)->phases.push_back(std::move(exchange));
+              }
+              return Status::Ok();
+            });
+}
 
-  Rendezvous rv(who);
-  Status st = rv.Arrive({const_cast<void*>(c.in), c.out}, p.Describe(), [&](Slot& s) {
-    auto setup = std::make_shared<Setup>();
-    setup->comm = GetCommunicator(s.devices);
-    setup->plan = setup->comm->GetPlan(p);
-    if (p.mode == Mode::kBufferCentric) STRATA_RETURN_IF_ERROR(setup->comm->EnsureBuffers(p.comm_buffer_bytes));
-    if (p.mode == Mode::kStrata && (in_bytes + out_bytes) * p.group_size <= kInlineGroupBytes) {
-      RunTasks(s, *setup->plan, DirectView(s, p), /*direct=*/true);
-      setup->done = true;
-    }
-    s.shared = setup;
-    return Status::Ok();
-  });
-  if (!st.ok) return st;
-  const Setup& setup = *std::static_pointer_cast<Setup>(rv.slot().shared);
-  if (setup.done || p.block_bytes == 0) return Status::Ok();
-  st = p.mode == Mode::kStrata ? RunStrataMode(rv, *setup.plan, p)
-                               : RunBufferCentricMode(rv, setup, p, c);
-  return st.ok ? st : rv.Fail(st);
+Status RunCollective(const OpParams& p, const RankCall& c) {
+  std::promise<Status> finished;
+  std::future<Status> result = finished.get_future();
+  RunCollectiveAsync(p, c, [&finished](const Status& st) { finished.set_value(st); });
+  return result.get();
 }
 
 }  // namespace strata

@@ -5,6 +5,7 @@
 // "buffer_centric" (staged through pre-registered comm buffers) mode.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,12 @@ struct RankCall {
   double timeout_s = 60.0;
 };
 
+// Joins the group and returns at once; `done` is called exactly once, when
+// the op has completed on every rank (or with the error every rank gets).
+void RunCollectiveAsync(const OpParams& params, const RankCall& call,
+                        std::function<void(const Status&)> done);
+
+// The same, waiting for the result (threads-as-ranks tests and tools).
 Status RunCollective(const OpParams& params, const RankCall& call);
 
 // The plan of an op, as the runtime would build it (for tests and tools).

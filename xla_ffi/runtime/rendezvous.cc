@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <condition_variable>
 #include <thread>
 #include <sstream>
 #include <tuple>
@@ -200,14 +201,174 @@ Status Rendezvous::Barrier(const char* phase) {
   return Status::Ok();
 }
 
-int HostWorkers() {
-  static const int workers = [] {
-    const char* env = std::getenv("STRATA_HOST_WORKERS");
-    int n = env ? std::atoi(env) : 0;
-    if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
-    return std::max(1, n);
-  }();
-  return workers;
+// --------------------------------------------------------------------------
+// Non-blocking joins.
+// --------------------------------------------------------------------------
+namespace {
+
+// Slots waiting for ranks, checked by the watchdog.
+std::vector<std::shared_ptr<Slot>> g_pending;  // guarded by g_mu
+std::condition_variable g_watchdog_cv;
+std::once_flag g_watchdog_once;
+
+std::string MissingRanksError(Slot& s) {
+  std::ostringstream os;
+  os << s.opname << " (call site " << s.site_id << ", group " << s.group_id << "): timed out after "
+     << s.timeout_s << " s waiting for ranks " << RankList(s.present, false)
+     << " (arrived: " << RankList(s.present, true)
+     << "). A peer never reached this collective: ranks took different control flow, "
+     << "or a peer failed. Raise strata.config(timeout_s=...) if peers are only slow.";
+  return os.str();
+}
+
+// Aborts `s` with `why` and hands back the completions to call (outside
+// any lock). Caller holds s.mu.
+std::vector<Completion> AbortAsyncLocked(Slot& s, const std::string& why) {
+  AbortLocked(s, why);
+  std::vector<Completion> out;
+  for (auto& c : s.completions)
+    if (c) out.push_back(std::move(c));
+  s.completions.assign(s.n, nullptr);
+  return out;
+}
+
+void Finish(std::vector<Completion> completions, const Status& st) {
+  for (auto& c : completions) c(st);
+}
+
+void WatchdogLoop() {
+  std::unique_lock<std::mutex> lock(g_mu);
+  for (;;) {
+    Clock::time_point now = Clock::now(), next = now + std::chrono::seconds(1);
+    std::vector<std::pair<std::vector<Completion>, std::string>> expired;
+    for (auto it = g_pending.begin(); it != g_pending.end();) {
+      Slot& s = **it;
+      std::lock_guard<std::mutex> slock(s.mu);
+      if (s.arrived == s.n || s.aborted) {
+        it = g_pending.erase(it);
+        continue;
+      }
+      if (s.deadline <= now) {
+        std::string why = MissingRanksError(s);
+        expired.emplace_back(AbortAsyncLocked(s, why), why);
+        it = g_pending.erase(it);
+        continue;
+      }
+      next = std::min(next, s.deadline);
+      ++it;
+    }
+    if (!expired.empty()) {
+      lock.unlock();
+      for (auto& [completions, why] : expired) Finish(std::move(completions), Status::Error(why));
+      lock.lock();
+      continue;
+    }
+    g_watchdog_cv.wait_until(lock, next);
+  }
+}
+
+void EraseSlot(const Slot* slot) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_slot_keys.find(slot);
+  if (it != g_slot_keys.end()) {
+    g_slots.erase(it->second);
+    g_slot_keys.erase(it);
+  }
+}
+
+}  // namespace
+
+void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string signature,
+               Completion done, const Starter& start) {
+  std::call_once(g_watchdog_once, [] { std::thread(WatchdogLoop).detach(); });
+  std::shared_ptr<Slot> slot;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    Clock::time_point now = Clock::now();
+    SiteState& site = g_sites[SiteKey{who.run_id, who.site_id, who.group_id}];
+    if (site.next_iteration.size() < static_cast<size_t>(who.group_size))
+      site.next_iteration.resize(who.group_size, 0);
+    site.touched = now;
+    int64_t iteration = site.next_iteration[who.rank]++;
+    SlotKey key{who.run_id, who.site_id, who.group_id, iteration};
+    auto& entry = g_slots[key];
+    if (!entry) {
+      PruneLocked(now);
+      entry = std::make_shared<Slot>(who.group_size);
+      entry->completions.resize(who.group_size);
+      entry->deadline = now + std::chrono::microseconds(static_cast<int64_t>(who.timeout_s * 1e6));
+      entry->timeout_s = who.timeout_s;
+      entry->opname = who.opname;
+      entry->site_id = who.site_id;
+      entry->group_id = who.group_id;
+      g_slot_keys[entry.get()] = key;
+      g_pending.push_back(entry);
+      g_watchdog_cv.notify_all();
+    }
+    slot = entry;
+  }
+  Slot& s = *slot;
+  std::unique_lock<std::mutex> lock(s.mu);
+  auto prefix = [&] {
+    std::ostringstream os;
+    os << who.opname << " (call site " << who.site_id << ", group " << who.group_id << ", rank "
+       << who.rank << " of " << who.group_size << ", device " << who.device << "): ";
+    return os.str();
+  };
+  if (s.aborted) {
+    std::string why = s.error;
+    lock.unlock();
+    done(Status::Error(why));
+    return;
+  }
+  if (s.n != who.group_size || s.present[who.rank]) {
+    std::string why = prefix() + (s.n != who.group_size ? "ranks disagree on the group size"
+                                                        : "two calls claim the same rank");
+    auto completions = AbortAsyncLocked(s, why);
+    lock.unlock();
+    completions.push_back(std::move(done));
+    Finish(std::move(completions), Status::Error(why));
+    return;
+  }
+  s.present[who.rank] = 1;
+  s.ptrs[who.rank] = std::move(ptrs);
+  s.devices[who.rank] = who.device;
+  s.signatures[who.rank] = std::move(signature);
+  s.completions[who.rank] = std::move(done);
+  if (++s.arrived < s.n) return;
+
+  // Last one in: the group is complete.
+  std::ostringstream bad;
+  for (int r = 1; r < s.n; ++r)
+    if (s.signatures[r] != s.signatures[0]) bad << "\n  rank " << r << ": " << s.signatures[r];
+  Status st;
+  if (!bad.str().empty()) {
+    std::ostringstream os;
+    os << who.opname << " (call site " << who.site_id << ", group " << who.group_id
+       << "): ranks disagree on the op.\n  rank 0: " << s.signatures[0] << bad.str();
+    st = Status::Error(os.str());
+  }
+  std::shared_ptr<Job> job;
+  if (st.ok) {
+    st = start(s, &job);
+    if (!st.ok) st = Status::Error(prefix() + st.message);
+  }
+  if (!st.ok) {
+    auto completions = AbortAsyncLocked(s, st.message);
+    lock.unlock();
+    Finish(std::move(completions), st);
+    return;
+  }
+  std::vector<Completion> completions = std::move(s.completions);
+  s.completions.assign(s.n, nullptr);
+  lock.unlock();
+  if (!job) job = std::make_shared<Job>();
+  job->on_done = [slot, completions = std::move(completions), cleanup = std::move(job->on_done)]() mutable {
+    if (cleanup) cleanup();
+    EraseSlot(slot.get());
+    Finish(std::move(completions), Status::Ok());
+  };
+  Submit(std::move(job));
 }
 
 int64_t LiveSlotCount() {

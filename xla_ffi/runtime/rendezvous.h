@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "executor.h"
 #include "status.h"
 
 namespace strata {
@@ -60,7 +61,30 @@ struct Slot {
 
   int phase_count = 0;
   int64_t phase_gen = 0;
+
+  // Non-blocking joins (JoinAsync): each rank's completion, and when the
+  // group must be complete by.
+  std::vector<std::function<void(const Status&)>> completions;
+  std::chrono::steady_clock::time_point deadline;
+  double timeout_s = 0;
+  const char* opname = "";
+  int64_t site_id = 0;
+  int32_t group_id = 0;
 };
+
+using Completion = std::function<void(const Status&)>;
+// Run by the last rank to arrive, with the whole group present: returns the
+// job that performs the op (its completion fulfils every rank; an on_done it
+// sets runs first, for cleanup), or an error that every rank gets instead.
+using Starter = std::function<Status(Slot& slot, std::shared_ptr<Job>* job)>;
+
+// Joins `who`'s group for one op without blocking the caller. Publishes
+// `ptrs` and `signature`; `done` is called exactly once: after the op ran,
+// or with the error (ranks disagree, a peer never arrived within
+// who.timeout_s, the starter failed). A watchdog thread enforces timeouts,
+// so no thread ever waits for a peer.
+void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string signature,
+               Completion done, const Starter& start);
 
 class Rendezvous {
  public:
@@ -92,11 +116,6 @@ class Rendezvous {
 
 // Live (not aborted) slots: 0 once every op has finished.
 int64_t LiveSlotCount();
-
-// Host threads that may run tasks at once: the machine's cores
-// (STRATA_HOST_WORKERS overrides). More would only take turns on the same
-// cores and evict each other's cache.
-int HostWorkers();
 
 // The cooperative task loop every op uses: the first HostWorkers() threads of
 // the group to get here pull task indices from the slot's cursor until none

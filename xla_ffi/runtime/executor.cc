@@ -1,0 +1,121 @@
+#include "executor.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+namespace strata {
+
+int HostWorkers() {
+  static const int workers = [] {
+    const char* env = std::getenv("STRATA_HOST_WORKERS");
+    int n = env ? std::atoi(env) : 0;
+    if (n <= 0) n = static_cast<int>(std::thread::hardware_concurrency());
+    return std::max(1, n);
+  }();
+  return workers;
+}
+
+namespace {
+
+struct Running {
+  std::shared_ptr<Job> job;
+  size_t phase = 0;
+  uint64_t next = 0;  // next task to claim in `phase`
+  uint64_t done = 0;  // finished tasks of `phase`
+};
+
+// Skips empty phases; true when the job has no phase left.
+bool SettlePhase(Running& r) {
+  while (r.phase < r.job->phases.size() && r.job->phases[r.phase].count == 0) r.phase++;
+  return r.phase == r.job->phases.size();
+}
+
+class Executor {
+ public:
+  Executor() {
+    for (int i = 0; i < HostWorkers(); ++i) std::thread([this] { WorkerLoop(); }).detach();
+  }
+
+  void Submit(std::shared_ptr<Job> job) {
+    auto r = std::make_shared<Running>();
+    r->job = std::move(job);
+    if (SettlePhase(*r)) {
+      if (r->job->on_done) r->job->on_done();
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(r));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  // Claims a task from the oldest job that has one to hand out in its
+  // current phase. Caller holds mu_.
+  bool Claim(std::shared_ptr<Running>* r, size_t* phase, uint64_t* index) {
+    for (auto& candidate : queue_) {
+      const Phase& p = candidate->job->phases[candidate->phase];
+      if (candidate->next < p.count) {
+        *r = candidate;
+        *phase = candidate->phase;
+        *index = candidate->next++;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void WorkerLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      std::shared_ptr<Running> r;
+      size_t phase;
+      uint64_t index;
+      if (!Claim(&r, &phase, &index)) {
+        cv_.wait(lock);
+        continue;
+      }
+      lock.unlock();
+      r->job->phases[phase].run(index);
+      lock.lock();
+      if (++r->done < r->job->phases[phase].count) continue;
+      // Last task of the phase: open the next one, or finish the job.
+      r->phase++;
+      r->next = r->done = 0;
+      if (!SettlePhase(*r)) {
+        cv_.notify_all();
+        continue;
+      }
+      queue_.erase(std::find(queue_.begin(), queue_.end(), r));
+      lock.unlock();
+      if (r->job->on_done) r->job->on_done();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Running>> queue_;
+};
+
+Executor& Global() {
+  static Executor* e = new Executor();  // never destroyed: workers are detached
+  return *e;
+}
+
+}  // namespace
+
+void Submit(std::shared_ptr<Job> job) { Global().Submit(std::move(job)); }
+
+void RunInline(Job& job) {
+  for (const Phase& p : job.phases)
+    for (uint64_t i = 0; i < p.count; ++i) p.run(i);
+  if (job.on_done) job.on_done();
+}
+
+}  // namespace strata

@@ -1,0 +1,39 @@
+// The host worker pool that executes collectives: as many threads as the
+// machine has cores (STRATA_HOST_WORKERS overrides), shared by every op of
+// every group. XLA's handler threads never wait here: a handler joins its
+// group and returns a future; once the group is complete its work runs as a
+// Job on these workers, and the job's completion fulfils every rank's future.
+// A blocked handler would hold one of XLA's own pool threads, and enough of
+// them starve the very computations the missing peers still have to run.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "status.h"
+
+namespace strata {
+
+// `count` independent tasks; a phase starts when the previous one finished.
+struct Phase {
+  uint64_t count = 0;
+  std::function<void(uint64_t)> run;
+};
+
+struct Job {
+  std::vector<Phase> phases;
+  // Called once, after the last task of the last phase, on a worker thread.
+  std::function<void()> on_done;
+};
+
+int HostWorkers();
+
+// Queues `job`; it runs on the host workers. A job without tasks completes
+// at once, on the calling thread.
+void Submit(std::shared_ptr<Job> job);
+
+// Runs `job` to completion on the calling thread (tiny jobs, tests).
+void RunInline(Job& job);
+
+}  // namespace strata

@@ -1,0 +1,121 @@
+"""`python -m benchmarks [collectives|moe|train] ...` — with no subcommand, a short tour.
+
+Arguments are parsed before JAX starts so that the emulated NPU count (CPU devices) and the
+PjRt thread pool can still be set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from . import collectives, common, moe, train
+
+SUBCOMMANDS = {
+    "collectives": (collectives, "nccl-tests-style sweeps: strata vs lax vs memory floor"),
+    "moe": (moe, "MoE dispatch/combine/layer, strata vs the lax all_to_all reference"),
+    "train": (train, "one MoE training step with strata vs lax collectives"),
+}
+
+# The tour: small enough for a few minutes on 2 cores, large enough to reach >= 1 MB per rank.
+TOUR = {
+    "collectives": ["-b", "4K", "-e", "4M", "-f", "4", "-n", "10", "-w", "3", "--mode", "all",
+                    "--max-seconds", "3"],
+    "moe": ["--tokens", "512", "--hidden", "512", "--topk", "4", "--experts", "32",
+            "--ffn", "256", "-n", "5", "-w", "2", "--mode", "all"],
+    "train": ["-n", "5", "-w", "2", "--mode", "all"],
+}
+QUICK = {  # --quick: the smallest tour that still touches every path (smoke tests)
+    "collectives": ["-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1"],
+    "moe": ["--tokens", "32", "--hidden", "64", "--topk", "2", "--experts", "16", "--ffn", "32",
+            "-n", "2", "-w", "1"],
+    "train": ["--tokens", "32", "--hidden", "32", "--ffn", "32", "--experts", "16", "--topk", "2",
+              "-n", "2", "-w", "1"],
+}
+
+
+def build_parser(name: str) -> argparse.ArgumentParser:
+    mod, help_ = SUBCOMMANDS[name]
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {name}", description=help_)
+    mod.add_args(p)
+    return p
+
+
+def parse(name: str, argv: list[str]) -> argparse.Namespace:
+    args = build_parser(name).parse_args(argv)
+    args._argv = list(argv)  # child processes of an isolated run repeat it with overrides
+    return args
+
+
+def tour_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Short tour on emulated NPUs: collectives sweep, MoE ops, training step. "
+                    "Subcommands: " + "; ".join(f"{k}: {v[1]}" for k, v in SUBCOMMANDS.items())
+                    + ". Run `python -m benchmarks SUBCOMMAND -h` for their flags.")
+    p.add_argument("--out", default="bench_out", help="output folder (bench_out)")
+    p.add_argument("--npus", type=int, default=8, help="emulated NPUs (8)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes: a smoke run of every path (seconds)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def npus_for(name: str, args) -> int:
+    if name == "collectives":
+        return collectives.npus_and_mesh(args)[0]
+    return args.npus
+
+
+def run_one(name: str, args) -> common.Report:
+    mod = SUBCOMMANDS[name][0]
+    report = mod.run(args)
+    for path in common.write_outputs(report, args, getattr(mod, "plot", None)):
+        print(f"# wrote {path}")
+    return report
+
+
+def tour(targs) -> int:
+    common.setup_devices(targs.npus)
+    t0 = time.perf_counter()
+    print(f"# StrataCL benchmark tour: {targs.npus} emulated NPUs, results in {targs.out}/",
+          flush=True)
+    strata, reason = common.load_strata()
+    if strata is None:
+        print(f"# note: {reason}; strata rows will be skipped", flush=True)
+    plan = QUICK if targs.quick else TOUR
+    md = [f"# Benchmark tour ({targs.npus} emulated NPUs)", ""]
+    for name in ("collectives", "moe", "train"):
+        argv = plan[name] + ["--npus", str(targs.npus), "--out", targs.out]
+        if targs.no_progress:
+            argv.append("--no-progress")
+        args = parse(name, argv)
+        print(f"\n## {name}: python -m benchmarks {name} {' '.join(argv)}\n", flush=True)
+        report = run_one(name, args)
+        md += [f"## {name}", "", "```", f"python -m benchmarks {name} {' '.join(argv)}", "```",
+               "", "```", *report.tables, "```", "", f"![{name}]({name}.png)", ""]
+    path = os.path.join(targs.out, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(md))
+    print(f"# wrote {path}\n# tour finished in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUBCOMMANDS:
+        name = argv[0]
+        args = parse(name, argv[1:])
+        if getattr(args, "impl", "all") == "lax":
+            common.disable_strata("--impl lax")
+        if not (name == "collectives" and collectives.isolated(args)):
+            common.setup_devices(npus_for(name, args))  # (isolated: each child does its own)
+        run_one(name, args)
+        return 0
+    return tour(tour_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

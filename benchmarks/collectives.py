@@ -1,0 +1,607 @@
+"""`python -m benchmarks collectives`: nccl-tests-style sweeps of the six collectives.
+
+Conventions (FACTS §3, nccl-tests doc/PERFORMANCE.md):
+- `-b/-e` sizes are input bytes PER RANK; `count` is elements per rank.
+- algbw = S / time with nccl-tests' S: the per-rank buffer for all_reduce, reduce_scatter (its
+  input), all_to_all, broadcast and ppermute; N x size for all_gather (its output).
+- busbw = algbw x f: 2(N-1)/N all_reduce; (N-1)/N all_gather, reduce_scatter, all_to_all;
+  1 broadcast and ppermute (sendrecv).
+- time = mean wall time per call of n back-to-back calls of one jitted shard_map program
+  (blocking every 16 calls and after the last), after one compile call and -w warm-up calls.
+- memory floor = the op's minimal bytes read + written over all ranks (all_reduce N*S + N*S,
+  all_gather N*S + N*N*S, reduce_scatter N*S + S, all_to_all and ppermute N*S + N*S,
+  broadcast S + N*S), timed in the same run as one np.copyto of that traffic (half of it
+  copied) into a freshly np.empty-allocated buffer; share = floor time / op time.
+- #wrong = elements that differ from an exact expected value: inputs are small integers that
+  depend on rank and position, chosen per dtype so every sum/product is exact in any order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from . import common
+from .common import Col, Report
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
+REDOPS = ("sum", "max", "min", "prod")
+
+# nccl-tests spellings (-d float, half, ...) mapped to numpy/JAX names.
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64", "bf16": "bfloat16",
+                 "int": "int32", "uint": "uint32", "char": "int8", "uchar": "uint8",
+                 "fp32": "float32", "fp16": "float16"}
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "int32", "int64", "uint8",
+          "uint32", "bool")
+
+# Largest integer each dtype holds exactly (sums and products are kept below it).
+_EXACT_LIMIT = {"float16": 2048, "bfloat16": 256, "float32": 2**24, "float64": 2**53,
+                "int8": 127, "uint8": 255, "int32": 2**31 - 1, "uint32": 2**32 - 1,
+                "int64": 2**62}
+
+
+def np_dtype(name: str):
+    import jax.numpy as jnp
+
+    return np.dtype(jnp.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# The ops: byte accounting, inputs and expected outputs
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    reduces: bool
+    bus_factor: Callable[[int], float]
+    s_bytes: Callable[[int, int], int]  # (size per rank, N) -> nccl-tests S
+    floor_bytes: Callable[[int, int], int]  # (size per rank, N) -> bytes read + written
+    divisible: bool  # per-rank count must be a multiple of N
+
+
+SPECS = {
+    "all_reduce": OpSpec("all_reduce", True, lambda n: 2 * (n - 1) / n, lambda s, n: s,
+                         lambda s, n: 2 * n * s, False),
+    "all_gather": OpSpec("all_gather", False, lambda n: (n - 1) / n, lambda s, n: n * s,
+                         lambda s, n: n * s + n * n * s, False),
+    "reduce_scatter": OpSpec("reduce_scatter", True, lambda n: (n - 1) / n, lambda s, n: s,
+                             lambda s, n: n * s + s, True),
+    "all_to_all": OpSpec("all_to_all", False, lambda n: (n - 1) / n, lambda s, n: s,
+                         lambda s, n: 2 * n * s, True),
+    "broadcast": OpSpec("broadcast", False, lambda n: 1.0, lambda s, n: s,
+                        lambda s, n: s + n * s, False),
+    "ppermute": OpSpec("ppermute", False, lambda n: 1.0, lambda s, n: s,
+                       lambda s, n: 2 * n * s, False),
+}
+
+
+def ring(n: int) -> list[tuple[int, int]]:
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def make_values(spec: OpSpec, redop: str, dtype: str, n: int, count: int) -> np.ndarray:
+    """Integer inputs [N, count] (int64, not yet cast) that keep every result exact.
+
+    Sums stay under the dtype's exact-integer limit whatever the order of additions (values are
+    >= 0, so partial sums never exceed the total); products are 2^c with c <= 3."""
+    r = np.arange(n, dtype=np.int64)[:, None]
+    i = np.arange(count, dtype=np.int64)[None, :]
+    if dtype == "bool":
+        return (r + i) % 2
+    if not spec.reduces:
+        return (r + 1) + i % 7  # wraps for narrow ints: fine, data is only moved
+    limit = _EXACT_LIMIT[dtype]
+    signed = dtype.startswith(("int", "float", "bfloat"))
+    if redop == "sum":
+        top = min(6, limit // n)
+        if top >= 1:
+            return (r + i) % (top + 1)
+        q = -(-n // limit)  # so that at most limit ranks hold a 1 at any position
+        return ((r + i) % q == 0).astype(np.int64)
+    if redop in ("max", "min"):
+        return (3 * r + i) % 7 - (3 if signed else 0)
+    c = min(3, n, int(math.log2(limit)))  # prod
+    return np.where((r + i) % n < c, 2, 1)
+
+
+def reduce_np(v: np.ndarray, redop: str) -> np.ndarray:
+    return {"sum": v.sum, "max": v.max, "min": v.min, "prod": v.prod}[redop](axis=0)
+
+
+def expected(spec: OpSpec, vals: np.ndarray, inp: np.ndarray, redop: str, root: int,
+             dt) -> np.ndarray:
+    """Expected per-rank outputs, [N, out_count] or broadcastable [1, out_count]."""
+    n, count = inp.shape
+    if spec.name == "all_reduce":
+        return reduce_np(vals, redop).astype(dt)[None]
+    if spec.name == "reduce_scatter":
+        return reduce_np(vals, redop).astype(dt).reshape(n, count // n)
+    if spec.name == "all_gather":
+        return inp.reshape(1, n * count)
+    if spec.name == "all_to_all":
+        return inp.reshape(n, n, count // n).transpose(1, 0, 2).reshape(n, count)
+    if spec.name == "broadcast":
+        return inp[root][None]
+    if spec.name == "ppermute":
+        return np.roll(inp, 1, axis=0)  # rank r receives from r-1
+    raise ValueError(spec.name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bodies run inside shard_map (x is the rank's 1-D block)
+
+
+def strata_body(strata, op: str, ax, redop: str, root: int, n: int) -> Callable:
+    if op == "all_reduce":
+        return lambda x: strata.all_reduce(x, ax, op=redop)
+    if op == "all_gather":
+        return lambda x: strata.all_gather(x, ax, axis=0, tiled=True)
+    if op == "reduce_scatter":
+        return lambda x: strata.reduce_scatter(x, ax, scatter_dimension=0, tiled=True, op=redop)
+    if op == "all_to_all":
+        return lambda x: strata.all_to_all(x, ax, 0, 0, tiled=True)
+    if op == "broadcast":
+        return lambda x: strata.broadcast(x, ax, root=root)
+    if op == "ppermute":
+        perm = ring(n)
+        return lambda x: strata.ppermute(x, ax, perm)
+    raise ValueError(op)
+
+
+def lax_body(op: str, ax, redop: str, root: int, n: int, dtype: str) -> tuple[Callable, str]:
+    """The lax peer and how it is spelled (ops lax lacks on CPU are composed from others)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def gathered_prod(x):
+        return jnp.prod(lax.all_gather(x, ax), axis=0, dtype=x.dtype)
+
+    red = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+    if op == "all_reduce":
+        if redop == "prod":
+            return gathered_prod, "all_gather+prod"
+        return (lambda x: red[redop](x, ax)), red[redop].__name__
+    if op == "all_gather":
+        return (lambda x: lax.all_gather(x, ax, tiled=True)), "all_gather"
+    if op == "reduce_scatter":
+        if redop == "sum":
+            return (lambda x: lax.psum_scatter(x, ax, tiled=True)), "psum_scatter"
+
+        def rs(x):
+            full = gathered_prod(x) if redop == "prod" else red[redop](x, ax)
+            m = x.shape[0] // n
+            return lax.dynamic_slice_in_dim(full, lax.axis_index(ax) * m, m)
+
+        return rs, f"{'all_gather+prod' if redop == 'prod' else red[redop].__name__}+slice"
+    if op == "all_to_all":
+        return (lambda x: lax.all_to_all(x, ax, 0, 0, tiled=True)), "all_to_all"
+    if op == "broadcast":
+        # lax.pbroadcast has no CPU lowering in jax 0.10.2: the usual spelling is a masked psum.
+        if dtype == "bool":
+            return (lambda x: lax.all_gather(x, ax)[root]), "all_gather[root]"
+        return (lambda x: lax.psum(jnp.where(lax.axis_index(ax) == root, x, jnp.zeros_like(x)),
+                                   ax)), "psum(masked)"
+    if op == "ppermute":
+        perm = ring(n)
+        return (lambda x: lax.ppermute(x, ax, perm)), "ppermute"
+    raise ValueError(op)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--minbytes", default="4K", help="smallest size, bytes per rank (4K)")
+    p.add_argument("-e", "--maxbytes", default="4M", help="largest size, bytes per rank (4M)")
+    p.add_argument("-f", "--stepfactor", type=float, default=4.0, help="size factor (4)")
+    p.add_argument("--sizes", default=None,
+                   help="explicit comma list of sizes per rank, e.g. 4K,1M,4M,32M (overrides -b/-e/-f)")
+    p.add_argument("-n", "--iters", type=int, default=10, help="timed calls per size (10)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=3, help="warm-up calls (3)")
+    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results")
+    p.add_argument("-o", "--redop", dest="redop", default="sum", choices=REDOPS,
+                   help="reduction of all_reduce and reduce_scatter (sum)")
+    p.add_argument("-d", "--datatype", default="float32",
+                   help=f"dtype: {', '.join(DTYPES)} (nccl-tests names too)")
+    p.add_argument("-r", "--root", type=int, default=0, help="broadcast root (0)")
+    p.add_argument("--op", dest="ops", default="all",
+                   help=f"comma list of {', '.join(OPS)}, or all")
+    p.add_argument("--npus", type=int, default=None, help="emulated NPUs (8; up to 384)")
+    p.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x4 (default: 1-D of --npus)")
+    p.add_argument("--mode", default="strata", help="strata, buffer_centric, or all")
+    p.add_argument("--impl", default="all", help="strata, lax, or all")
+    p.add_argument("--alloc", default="auto", choices=("auto", "jax", "strata"),
+                   help="inputs from strata.memory.device_put (auto: when available) or jax")
+    common.add_timing_args(p)
+    p.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
+                   help="run each op and impl in a child process (auto: when N > 64)")
+    p.add_argument("--child-timeout", type=float, default=1800, help=argparse.SUPPRESS)
+    p.add_argument("--rows-jsonl", default=None, help=argparse.SUPPRESS)  # child -> parent
+    common.add_output_args(p)
+
+
+def npus_and_mesh(args) -> tuple[int, tuple[int, ...]]:
+    shape = common.parse_mesh(getattr(args, "mesh", None))
+    npus = getattr(args, "npus", None)
+    if shape is None:
+        npus = npus or 8
+        shape = (npus,)
+    elif npus is not None and npus != math.prod(shape):
+        raise SystemExit(f"--npus {npus} does not match --mesh {args.mesh}")
+    return math.prod(shape), shape
+
+
+def _device_put(x_global: np.ndarray, sharding, alloc: str, strata):
+    import jax
+
+    if alloc != "jax" and strata is not None:
+        put = getattr(getattr(strata, "memory", None), "device_put", None)
+        if put is not None:
+            try:
+                return put(x_global, sharding), "strata.memory"
+            except Exception as e:
+                if alloc == "strata":
+                    raise
+                print(f"# warning: strata.memory.device_put failed ({common.one_line(e)})",
+                      file=sys.stderr)
+        elif alloc == "strata":
+            raise SystemExit("--alloc strata: strata.memory.device_put is missing")
+    return jax.device_put(x_global, sharding), "jax"
+
+
+def isolated(args) -> bool:
+    """Run each (op, impl) in a child process? XLA:CPU aborts the whole process when a
+    rendezvous times out (seen: lax.all_to_all at 384 devices on 2 cores), so at large N a
+    crash must cost one table cell, not the sweep."""
+    if args.isolate == "auto":
+        return npus_and_mesh(args)[0] > 64
+    return args.isolate == "on"
+
+
+def _base_rows(op, args, dtype, n, shape, sizes):
+    """Per size: the row fields that do not depend on the implementation."""
+    spec, dt = SPECS[op], np_dtype(dtype)
+    out = []
+    for size in sizes:
+        count = max(1, size // dt.itemsize)
+        if spec.divisible:
+            count = max(n, count - count % n)
+        nbytes = count * dt.itemsize
+        out.append({"op": op, "npus": n, "mesh": "x".join(map(str, shape)), "dtype": dtype,
+                    "redop": args.redop if spec.reduces else "none",
+                    "root": args.root if op == "broadcast" else -1, "size": nbytes,
+                    "count": count, "s_bytes": spec.s_bytes(nbytes, n),
+                    "bus_factor": spec.bus_factor(n), "floor_bytes": spec.floor_bytes(nbytes, n)})
+    return out
+
+
+def run(args) -> Report:
+    import jax
+
+    dtype = DTYPE_ALIASES.get(args.datatype, args.datatype)
+    if dtype not in DTYPES:
+        raise SystemExit(f"unknown dtype {args.datatype!r}: {', '.join(DTYPES)}")
+    if dtype.endswith("64"):
+        jax.config.update("jax_enable_x64", True)
+    ops = common.split_list(args.ops, OPS, "--op")
+    impls = common.impls_from_arg(args.impl)
+    modes = common.modes_from_arg(args.mode)
+    n, shape = npus_and_mesh(args)
+    names = common.mesh_axis_names(shape)
+    if not 0 <= args.root < n:
+        raise SystemExit(f"--root must be in 0..{n - 1}")
+    if args.sizes:
+        sizes = [common.parse_size(t) for t in args.sizes.split(",") if t.strip()]
+    else:
+        sizes = common.size_sweep(common.parse_size(args.minbytes), common.parse_size(args.maxbytes),
+                                  args.stepfactor)
+    iso = isolated(args)
+    params = {"ops": ops, "impls": impls, "modes": modes, "npus": n, "mesh": list(shape),
+              "axis_names": list(names), "dtype": dtype, "redop": args.redop, "root": args.root,
+              "sizes": sizes, "iters": args.iters, "warmup": args.warmup_iters,
+              "check": bool(args.check), "sync_every": args.sync_every,
+              "max_seconds": args.max_seconds, "repeats": args.repeats, "isolated": iso}
+    report = Report("collectives", params,
+                    env={} if iso else common.environment())
+    variants = ([("lax", None)] if "lax" in impls else []) + \
+               ([("strata", m) for m in modes] if "strata" in impls else [])
+    total = len(ops) * (len(impls) if iso else len(sizes) * len(variants))
+    bar = common.progress(range(total), desc="collectives", disable=args.no_progress)
+    tick = _ticker(bar)
+    measure = _op_rows_isolated if iso else _op_rows_inprocess
+    mode_skips: dict[str, str] = {}  # mode -> why strata.config refused it (asked once)
+    for op in ops:
+        op_rows = measure(op, args, dtype, n, shape, names, sizes, variants, tick, mode_skips)
+        report.rows.extend(op_rows)
+        if args.rows_jsonl:
+            return report  # a child of an isolated run: the parent renders the tables
+        strata_ok = any(r["impl"] == "strata" and r["status"] == "ok" for r in op_rows)
+        for impl, mode in variants:
+            # lax shows up as the peer columns of the strata tables, or alone when no strata
+            # row of this op ran (then the strata tables would be all N/A).
+            if impl == "lax" and "strata" in impls and strata_ok:
+                continue
+            if impl == "strata" and not strata_ok and "lax" in impls:
+                report.emit(f"# {op} strata mode={mode}: " + "; ".join(sorted(
+                    {f"{r['status']}: {r['reason']}" for r in op_rows
+                     if r["impl"] == "strata" and r["mode"] == mode})))
+                continue
+            report.emit(_table(op_rows, impl, mode, "lax" in impls and impl == "strata", n,
+                               shape, dtype))
+    if hasattr(bar, "close"):
+        bar.close()
+    if iso and not report.env:
+        report.env = common.environment()
+        report.env["devices"] = f"{n} (in child processes)"
+    return report
+
+
+def _ticker(bar):
+    it = iter(bar)
+
+    def tick(label: str) -> None:
+        next(it, None)
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(label)
+
+    return tick
+
+
+def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, mode_skips):
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    spec, dt = SPECS[op], np_dtype(dtype)
+    ax = names[0] if len(names) == 1 else names
+    strata, strata_reason = common.load_strata()
+    mesh = common.make_mesh(shape, names)
+    sharding = NamedSharding(mesh, P(ax))
+    rows = []
+    for base in _base_rows(op, args, dtype, n, shape, sizes):
+        count = base["count"]
+        base["floor_us"] = common.floor_copy_us(base["floor_bytes"])
+        x = xerr = exp = None
+        if spec.reduces and dtype == "bool":
+            xerr = common.Skip("bool does not reduce")
+        else:
+            vals = make_values(spec, args.redop, dtype, n, count)
+            inp = vals.astype(dt)
+            exp = expected(spec, vals, inp, args.redop, args.root, dt) if args.check else None
+            try:
+                x, base["alloc"] = _device_put(inp.reshape(-1), sharding, args.alloc, strata)
+            except Exception as e:
+                xerr = e
+        for impl, mode in variants:
+            tick(f"{op} {common.format_size(base['size'])} {impl}{'/' + mode if mode else ''}")
+            row = dict(base, impl=impl, mode=mode)
+            if xerr is not None:
+                row.update(common.failure(xerr))
+            else:
+                _measure(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode, strata,
+                         strata_reason, mode_skips)
+            rows.append(row)
+            if args.rows_jsonl:  # as soon as measured: a later abort must not lose it
+                with open(args.rows_jsonl, "a") as f:
+                    f.write(json.dumps(common.jsonable(row)) + "\n")
+        del x
+    return rows
+
+
+def _op_rows_isolated(op, args, dtype, n, shape, names, sizes, variants, tick, mode_skips):
+    """One child process per implementation of this op; rows it never wrote become errors."""
+    import os
+    import subprocess
+    import tempfile
+
+    rows = []
+    for impl in dict.fromkeys(i for i, _ in variants):
+        tick(f"{op} {impl} (child process)")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "rows.jsonl")
+            cmd = [sys.executable, "-m", "benchmarks", "collectives", *args._argv,
+                   "--op", op, "--impl", impl, "--isolate", "off", "--rows-jsonl", path,
+                   "--out", "", "--json", "", "--csv", "", "--plot", "", "--no-progress"]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      timeout=args.child_timeout)
+                rc, err = proc.returncode, proc.stderr
+            except subprocess.TimeoutExpired as e:
+                rc, err = "timeout", (e.stderr or b"").decode(errors="replace") \
+                    if isinstance(e.stderr, bytes) else (e.stderr or "")
+            got = []
+            if os.path.exists(path):
+                with open(path) as f:
+                    got = [json.loads(line) for line in f if line.strip()]
+        have = {(r["size"], r["impl"], r["mode"]) for r in got}
+        reason = _child_failure(rc, err)
+        for base in _base_rows(op, args, dtype, n, shape, sizes):
+            for i, mode in variants:
+                if i == impl and (base["size"], impl, mode) not in have:
+                    got.append(dict(base, impl=impl, mode=mode, status="error", reason=reason))
+        rows.extend(got)
+    order = {v: k for k, v in enumerate(variants)}
+    rows.sort(key=lambda r: (r["size"], order.get((r["impl"], r["mode"]), 0)))
+    return rows
+
+
+def _child_failure(rc, stderr: str) -> str:
+    """The child's exit status and the line that says why (XLA's fatal log line if any)."""
+    stderr = stderr or ""
+    m = re.search(r"Termination timeout for `([^`]*?) Rendezvous.*?Expected (\d+) threads.*?"
+                  r"only (\d+) of them arrived", stderr)
+    if m:  # XLA:CPU's own abort when a collective's rendezvous never completes
+        return (f"child process exited {rc}: XLA aborted, `{m.group(1)}` rendezvous timed out "
+                f"(only {m.group(3)} of {m.group(2)} device threads arrived)")
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    why = next((ln for ln in lines if ln.startswith("F") and "]" in ln), None) or \
+        next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), None) or \
+        (lines[-1] if lines else "")
+    if "] " in why:
+        why = why.split("] ", 1)[1]
+    why = why if len(why) <= 150 else why[:147] + "..."
+    return f"child process {'timed out' if rc == 'timeout' else f'exited {rc}'}: {why}"
+
+
+def _measure(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode, strata, strata_reason,
+             mode_skips) -> None:
+    """Fill row with time/bandwidth/#wrong, or status skipped/error and the reason."""
+    import contextlib
+
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    row.update(status="ok", reason=None)
+    try:
+        if impl == "strata":
+            if strata is None:
+                raise common.Skip(strata_reason)
+            if mode in mode_skips:
+                raise common.Skip(mode_skips[mode])
+            try:
+                ctx = common.strata_mode_context(strata, mode)
+            except common.Skip as e:
+                mode_skips[mode] = str(e)
+                raise
+            body = strata_body(strata, spec.name, ax, args.redop, args.root, n)
+        else:
+            ctx = contextlib.nullcontext()
+            body, row["lax_impl"] = lax_body(spec.name, ax, args.redop, args.root, n, dtype)
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(ax), out_specs=P(ax)))
+        with ctx:
+            if impl == "strata":
+                common.reset_strata_stats(strata)
+            timing, out = common.time_calls(fn, (x,), iters=args.iters,
+                                            warmup=args.warmup_iters,
+                                            max_seconds=args.max_seconds,
+                                            repeats=args.repeats,
+                                            sync_every=args.sync_every)
+            if impl == "strata":
+                stats = common.strata_stats(strata)
+                calls = 1 + timing.warmup + timing.iters
+                if stats:  # scalar counters only (per-core lists would swamp the JSON)
+                    row["stats_per_call"] = {k: v / calls for k, v in stats.items()
+                                             if isinstance(v, (int, float))}
+    except Exception as e:
+        row.update(common.failure(e))
+        return
+    t = timing.mean_us
+    row.update(time_us=t, iters=timing.iters, first_call_s=timing.first_call_s)
+    row["algbw"] = row["s_bytes"] / (t * 1e-6) / 1e9
+    row["busbw"] = row["algbw"] * row["bus_factor"]
+    row["floor_share"] = row["floor_us"] / t
+    if exp is not None:
+        got = np.asarray(out).reshape(n, -1)
+        row["wrong"] = int(np.count_nonzero(got != exp)) if got.shape[1] == exp.shape[1] \
+            else int(got.size)
+    else:
+        row["wrong"] = None
+
+
+COLS = [Col("size", "size", "(B)", "d", 10), Col("count", "count", "(elements)", "d", 10),
+        Col("dtype", "type", "", "", 8), Col("redop", "redop", "", "", 5),
+        Col("root", "root", "", "d", 4),
+        Col("time_us", "time", "(us)", ".1f", 9), Col("algbw", "algbw", "(GB/s)", ".3g", 8),
+        Col("busbw", "busbw", "(GB/s)", ".3g", 8), Col("wrong", "#wrong", "", "d", 6)]
+PEER_COLS = [Col("lax_time_us", "lax time", "(us)", ".1f", 9),
+             Col("lax_busbw", "lax busbw", "(GB/s)", ".3g", 8),
+             Col("speedup", "speedup", "(x)", ".2f", 7)]
+FLOOR_COLS = [Col("floor_us", "floor", "(us)", ".1f", 8),
+              Col("floor_pct", "of floor", "(%)", ".1f", 8)]
+
+
+def _table(rows, impl, mode, with_peer, n, shape, dtype) -> str:
+    mine = [r for r in rows if r["impl"] == impl and r["mode"] == mode]
+    peers = {r["size"]: r for r in rows if r["impl"] == "lax"}
+    out = []
+    for r in mine:
+        t = dict(r)
+        if r["status"] != "ok":
+            t["_note"] = f"{r['status']}: {r['reason']}"
+        if with_peer:
+            p = peers.get(r["size"], {})
+            if p.get("status") == "ok":
+                t["lax_time_us"], t["lax_busbw"] = p["time_us"], p["busbw"]
+                if r["status"] == "ok":
+                    t["speedup"] = p["time_us"] / r["time_us"]
+                    r["lax_time_us"], r["speedup"] = p["time_us"], t["speedup"]  # for JSON/CSV
+            elif p:
+                t["lax_time_us"] = None
+        if r["status"] == "ok":
+            t["floor_pct"] = 100 * r["floor_share"]
+        out.append(t)
+    cols = COLS + (PEER_COLS if with_peer else []) + FLOOR_COLS
+    groups = [("", 5), (impl if impl == "lax" else f"strata mode={mode}", 4)]
+    groups += ([("lax peer", 3)] if with_peer else []) + [("memory floor", 2)]
+    ok = [r for r in mine if r["status"] == "ok"]
+    avg = sum(r["busbw"] for r in ok) / len(ok) if ok else float("nan")
+    footer = [f"Out of bounds values : {sum(1 for r in ok if r.get('wrong'))} "
+              f"{'OK' if all(not r.get('wrong') for r in ok) else 'FAILED'}",
+              f"Avg bus bandwidth    : {avg:.4g} GB/s"]
+    if with_peer:
+        lax_ok = [peers[r["size"]] for r in mine if peers.get(r["size"], {}).get("status") == "ok"]
+        if lax_ok:
+            footer.append(f"Avg lax bus bandwidth: "
+                          f"{sum(p['busbw'] for p in lax_ok) / len(lax_ok):.4g} GB/s")
+        for why in sorted({f"{p['status']}: {p['reason']}" for p in peers.values()
+                           if p.get("status") != "ok"}):
+            footer.append(f"lax peer {why}")
+        sp = [t["speedup"] for t in out if t.get("speedup")]
+        if sp:
+            footer.append(f"Speedup vs lax       : geomean {math.exp(np.mean(np.log(sp))):.2f}x,"
+                          f" min {min(sp):.2f}x, max {max(sp):.2f}x")
+    lax_impls = sorted({r.get("lax_impl") for r in rows if r["impl"] == "lax" and
+                        r.get("lax_impl")})
+    title = (f"{rows[0]['op']}  N={n} mesh={'x'.join(map(str, shape))} dtype={dtype}"
+             f"  ({impl}{'' if mode is None else ' mode=' + mode}"
+             f"{' vs lax ' + '/'.join(lax_impls) if with_peer and lax_impls else ''})")
+    return common.render_table(cols, out, title=title, groups=groups, footer=footer)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plot
+
+
+def plot(report: Report, path: str) -> None:
+    plt = common.pyplot()
+    rows = [r for r in report.rows if r["status"] == "ok"]
+    ops = [o for o in report.params["ops"] if any(r["op"] == o for r in rows)]
+    if not ops:
+        return
+    cols = min(3, len(ops))
+    nrow = -(-len(ops) // cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(5 * cols, 3.8 * nrow), squeeze=False)
+    for a, op in zip(axes.flat, ops):
+        rs = [r for r in rows if r["op"] == op]
+        order = ["lax"] + list(report.params["modes"])
+        keys = sorted({(r["impl"], r["mode"]) for r in rs},
+                      key=lambda kk: order.index(kk[1] if kk[0] == "strata" else "lax"))
+        for impl, mode in keys:
+            pts = sorted((r["size"], r["busbw"]) for r in rs
+                         if r["impl"] == impl and r["mode"] == mode)
+            label = "lax" if impl == "lax" else f"strata ({mode})"
+            a.plot(*zip(*pts), marker="o", label=label)
+        fl = sorted({(r["size"], r["s_bytes"] * r["bus_factor"] / r["floor_us"] / 1e3)
+                     for r in rs})
+        a.plot(*zip(*fl), ls="--", color="gray", label="memory floor")
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_title(op)
+        a.set_xlabel("bytes per rank")
+        a.set_ylabel("busbw (GB/s)")
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=8)
+    for a in list(axes.flat)[len(ops):]:
+        a.axis("off")
+    p = report.params
+    fig.suptitle(f"collectives, {p['npus']} emulated NPUs, {p['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,583 @@
+"""Shared plumbing for the benchmark subcommands: devices, strata loading, timing, tables, outputs.
+
+Nothing here may start JAX's CPU backend at import time: the device count and the PjRt thread
+pool size are fixed when the backend starts, so `setup_devices` must run first.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)[bB]?\s*$")
+_SIZE_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str | int) -> int:
+    """'4K' -> 4096, '1M' -> 1048576 (binary suffixes, as nccl-tests)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"bad size {text!r}: use a number with an optional K/M/G suffix")
+    return int(float(m.group(1)) * _SIZE_MULT[m.group(2).lower()])
+
+
+def format_size(nbytes: int) -> str:
+    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= mult and nbytes % mult == 0:
+            return f"{nbytes // mult}{unit}"
+    return f"{nbytes}"
+
+
+def size_sweep(begin: int, end: int, factor: float) -> list[int]:
+    """nccl-tests' -b/-e/-f: begin, begin*f, ... up to end (inclusive)."""
+    if begin <= 0 or end < begin:
+        raise ValueError("need 0 < -b <= -e")
+    if factor <= 1:
+        return [begin] if begin == end else [begin, end]
+    sizes, s = [], float(begin)
+    while s <= end * (1 + 1e-9):
+        sizes.append(int(round(s)))
+        s *= factor
+    return sizes
+
+
+def parse_mesh(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        shape = tuple(int(p) for p in re.split(r"[x,*]", text.lower()) if p)
+    except ValueError:
+        raise ValueError(f"bad --mesh {text!r}: use e.g. 8 or 2x4") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise ValueError(f"bad --mesh {text!r}")
+    return shape
+
+
+def mesh_axis_names(shape: Sequence[int]) -> tuple[str, ...]:
+    if len(shape) == 1:
+        return ("npu",)
+    if len(shape) == 2:
+        return ("node", "npu")  # supernode reading: nodes of NPUs
+    return tuple(f"a{i}" for i in range(len(shape)))
+
+
+def split_list(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if items == ["all"]:
+        return list(allowed)
+    bad = [t for t in items if t not in allowed]
+    if bad or not items:
+        raise ValueError(f"bad {what} {text!r}: choose from {', '.join(allowed)} or all")
+    return items
+
+
+def modes_from_arg(text: str) -> list[str]:
+    return split_list(text, ("strata", "buffer_centric"), "--mode")
+
+
+def impls_from_arg(text: str) -> list[str]:
+    return split_list(text, ("strata", "lax"), "--impl")
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices and the library under test
+
+MAX_NPUS = 384
+_DEVICE_SETUP: dict = {}
+_STRATA: tuple[Any, str] | None = None
+
+
+def disable_strata(reason: str) -> None:
+    """Never import the library in this process (e.g. --impl lax: keep lax runs independent)."""
+    global _STRATA
+    _STRATA = (None, reason)
+
+
+def load_strata() -> tuple[Any, str]:
+    """(module, "") or (None, reason). Cached: import errors are reported as skipped rows."""
+    global _STRATA
+    if _STRATA is None:
+        try:
+            import stratacl_jax as strata  # noqa: PLC0415 - optional, loaded late on purpose
+
+            _STRATA = (strata, "")
+        except Exception as e:  # ImportError, or a half-built extension failing at load
+            _STRATA = (None, f"stratacl_jax not importable: {one_line(e)}")
+    return _STRATA
+
+
+def setup_devices(n: int) -> dict:
+    """Give this process >= n CPU devices and a PjRt pool of >= 2n threads, before JAX starts.
+
+    Prefers strata.emulator.ensure_devices; falls back to doing the same by hand so the lax
+    side still runs when the library is missing. A pool smaller than 2n threads deadlocks
+    back-to-back multi-device programs on small machines (FACTS §1b)."""
+    if not 1 <= n <= MAX_NPUS:
+        raise ValueError(f"--npus must be in 1..{MAX_NPUS}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    strata, _ = load_strata()
+    how = "manual"
+    ensure = getattr(getattr(strata, "emulator", None), "ensure_devices", None)
+    if ensure is not None:
+        try:
+            ensure(n)
+            how = "strata.emulator.ensure_devices"
+        except Exception as e:
+            print(f"# warning: strata.emulator.ensure_devices({n}) failed: {one_line(e)}",
+                  file=sys.stderr)
+    if how == "manual":
+        import jax
+
+        want = 2 * n
+        if int(os.environ.get("PJRT_NPROC", "0") or 0) < want:
+            os.environ["PJRT_NPROC"] = str(want)
+        try:
+            if jax.config.jax_num_cpu_devices < n:
+                jax.config.update("jax_num_cpu_devices", n)
+        except Exception as e:  # backend already up (in-process use): checked just below
+            print(f"# warning: could not set jax_num_cpu_devices: {one_line(e)}", file=sys.stderr)
+    import jax
+
+    have = len(jax.devices())
+    if have < n:
+        raise SystemExit(
+            f"this process has {have} CPU devices, {n} needed: set devices before JAX starts "
+            f"(run the CLI in a fresh process)")
+    _DEVICE_SETUP.update(device_setup=how, devices=have)
+    return dict(_DEVICE_SETUP)
+
+
+def make_mesh(shape: Sequence[int], names: Sequence[str]):
+    """The library's mesh when it has one, else the same thing from jax (axis types Auto)."""
+    strata, _ = load_strata()
+    mm = getattr(getattr(strata, "emulator", None), "make_mesh", None)
+    if mm is not None:
+        try:
+            return mm(tuple(shape), tuple(names))
+        except Exception as e:
+            print(f"# warning: strata.emulator.make_mesh failed ({one_line(e)}); using jax's",
+                  file=sys.stderr)
+    import jax
+    from jax.sharding import AxisType
+
+    n = math.prod(shape)
+    return jax.make_mesh(tuple(shape), tuple(names), axis_types=(AxisType.Auto,) * len(shape),
+                         devices=jax.devices()[:n])
+
+
+def one_line(e: BaseException, limit: int = 160) -> str:
+    msg = str(e).strip().splitlines()
+    text = f"{type(e).__name__}: {msg[0] if msg else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class Skip(Exception):
+    """A measurement that cannot run here (feature missing, unsupported combination)."""
+
+
+def failure(e: BaseException) -> dict:
+    """Row fields for a measurement that did not run: status, one-line reason, full detail."""
+    status, reason = classify_failure(e)
+    detail = str(e).strip()
+    return {"status": status, "reason": reason,
+            "detail": detail[:4000] if status == "error" and len(detail) > len(reason) else None}
+
+
+def classify_failure(e: BaseException) -> tuple[str, str]:
+    """('skipped'|'error', reason). Missing features skip; anything else is an error."""
+    if isinstance(e, Skip):
+        return "skipped", str(e)
+    if isinstance(e, NotImplementedError) or (
+            isinstance(e, AttributeError) and "module 'stratacl_jax" in str(e)):
+        return "skipped", one_line(e)  # the library does not have it (yet)
+    return "error", one_line(e)
+
+
+def strata_mode_context(strata, mode: str):
+    """strata.config(mode=...) as a context manager, or Skip if the mode is not there."""
+    if strata is None:
+        raise Skip(load_strata()[1])
+    cfg = getattr(strata, "config", None)
+    if cfg is None:
+        if mode == "strata":
+            import contextlib
+
+            return contextlib.nullcontext()
+        raise Skip("strata.config missing")
+    try:
+        ctx = cfg(mode=mode)
+        if not hasattr(ctx, "__enter__"):
+            raise TypeError("strata.config(...) is not a context manager")
+        return ctx
+    except Exception as e:
+        raise Skip(f"mode={mode} unsupported: {one_line(e)}") from e
+
+
+def strata_stats(strata) -> dict | None:
+    fn = getattr(strata, "stats", None) if strata is not None else None
+    if fn is None:
+        return None
+    try:
+        return dict(fn())
+    except Exception:
+        return None
+
+
+def reset_strata_stats(strata) -> None:
+    fn = getattr(strata, "reset_stats", None) if strata is not None else None
+    if fn is not None:
+        try:
+            fn()
+        except Exception:
+            pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+# XLA:CPU lets at most 32 executions be in flight; beyond that a small thread pool deadlocks
+# (FACTS §1b). Blocking every 16 calls keeps far from that and costs little pipelining.
+SYNC_EVERY = 16
+
+
+@dataclass
+class Timing:
+    mean_us: float  # per call: the mean of one block of calls, or the median of block means
+    iters: int
+    warmup: int
+    first_call_s: float  # trace + compile + first execution (0 when already compiled)
+    total_s: float
+    blocks_us: list = field(default_factory=list)  # per-call mean of each timed block
+
+
+def time_calls(fn: Callable, args: tuple, *, iters: int, warmup: int, repeats: int = 1,
+               max_seconds: float = 0.0, chain: Callable | None = None,
+               first_call: bool = True, sync_every: int = SYNC_EVERY) -> tuple[Timing, Any]:
+    """Mean wall time per call of `fn(*args)` over `iters` back-to-back calls.
+
+    The first call (trace + compile + run) is not counted; then `warmup` calls; then the timed
+    calls, issued without waiting, blocking every `sync_every` calls and after the last. With
+    `repeats` > 1 the timed block runs that many times and the median block mean is reported
+    (the machine is shared: one slow block should not decide). `chain(args, out) -> args` feeds
+    outputs back in (training steps). `max_seconds` > 0 lowers the iteration count so one
+    measurement stays near that budget (estimated from the warm-up)."""
+    import jax
+
+    out, first = None, 0.0
+    if first_call:
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        first = time.perf_counter() - t0
+        if chain is not None:
+            args = chain(args, out)
+    t0 = time.perf_counter()
+    for j in range(warmup):
+        out = fn(*args)
+        if chain is not None:
+            args = chain(args, out)
+        if (j + 1) % sync_every == 0:
+            jax.block_until_ready(out)
+    jax.block_until_ready(out)
+    per_call = (time.perf_counter() - t0) / warmup if warmup else first
+    if max_seconds > 0 and per_call > 0:
+        iters = max(1, min(iters, int(max_seconds / repeats / per_call)))
+    blocks, total = [], 0.0
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        for k in range(iters):
+            out = fn(*args)
+            if chain is not None:
+                args = chain(args, out)
+            if (k + 1) % sync_every == 0:
+                jax.block_until_ready(out)
+        jax.block_until_ready(out)
+        dt = time.perf_counter() - t0
+        total += dt
+        blocks.append(dt / iters * 1e6)
+    timing = Timing(float(np.median(blocks)), iters, warmup, first, total, blocks)
+    return (timing, (out, args)) if chain is not None else (timing, out)
+
+
+_SRC: np.ndarray | None = None
+
+
+def floor_copy_us(nbytes_read_plus_written: int, min_reps: int = 3, min_seconds: float = 0.02,
+                  max_reps: int = 50) -> float:
+    """Time of the memory floor: a plain np.copyto moving the same traffic (bytes read +
+    written), i.e. a copy of half that many bytes from an already-touched source into a
+    destination freshly allocated for each copy (np.empty: malloc, as XLA:CPU allocates each
+    call's outputs; whether the pages are new or recycled is the allocator's business in both
+    cases). Median over repetitions."""
+    global _SRC
+    nbytes = max(1, nbytes_read_plus_written // 2)
+    if _SRC is None or _SRC.nbytes < nbytes:
+        _SRC = np.ones(nbytes, dtype=np.uint8)  # ones: touched pages, not the shared zero page
+    src = _SRC[:nbytes]
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < max_reps and (len(times) < min_reps or spent < min_seconds):
+        dst = np.empty(nbytes, dtype=np.uint8)
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        dt = time.perf_counter() - t0
+        del dst
+        times.append(dt)
+        spent += dt
+    return float(np.median(times)) * 1e6
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+
+@dataclass
+class Col:
+    key: str
+    head: str
+    unit: str = ""
+    fmt: str = ""  # python format spec, or "" for str()
+    width: int = 10
+
+
+def _cell(v: Any, c: Col) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "N/A"
+    if c.fmt and isinstance(v, (int, float, np.integer, np.floating)):
+        return format(v, c.fmt)
+    return str(v)
+
+
+def render_table(cols: Sequence[Col], rows: Sequence[dict], *, title: str = "",
+                 groups: Sequence[tuple[str, int]] = (), footer: Sequence[str] = ()) -> str:
+    """nccl-tests-like fixed-width text: '#' header lines (group, name, unit), rows, footer.
+    A row's `_note` (why it was skipped) is printed after its cells."""
+    widths = [max(c.width, len(c.head), len(c.unit)) for c in cols]
+    lines = []
+    if title:
+        lines.append(f"# {title}")
+    if groups:
+        parts, i = [], 0
+        for name, span in groups:
+            w = sum(widths[i:i + span]) + span - 1
+            parts.append(name.center(w) if name else " " * w)
+            i += span
+        lines.append("#" + " ".join(parts).rstrip())
+    lines.append("#" + " ".join(c.head.rjust(w) for c, w in zip(cols, widths)))
+    lines.append("#" + " ".join(c.unit.rjust(w) for c, w in zip(cols, widths)).rstrip())
+    for r in rows:
+        line = " " + " ".join(_cell(r.get(c.key), c).rjust(w) for c, w in zip(cols, widths))
+        lines.append(line + (f"   {r['_note']}" if r.get("_note") else ""))
+    lines.extend(f"# {f}" for f in footer)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Results and outputs
+
+
+def environment() -> dict:
+    import jax
+
+    strata, reason = load_strata()
+    env = {
+        "time": _dt.datetime.now().isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "numpy": np.__version__,
+        "host": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "devices": len(jax.devices()),
+        "PJRT_NPROC": os.environ.get("PJRT_NPROC"),
+        "device_setup": _DEVICE_SETUP.get("device_setup"),
+        "stratacl_jax": getattr(strata, "__version__", "present") if strata else None,
+        "stratacl_jax_reason": reason or None,
+    }
+    return env
+
+
+@dataclass
+class Report:
+    """What one subcommand produced: machine-readable rows plus the printed tables."""
+    name: str
+    params: dict
+    rows: list[dict] = field(default_factory=list)
+    tables: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+
+    def emit(self, text: str) -> None:
+        """Print a table now (stdout, flushed: it interleaves with the stderr progress bar)."""
+        self.tables.append(text)
+        print(text, flush=True)
+        print(flush=True)
+
+    def to_json(self) -> dict:
+        return {"benchmark": self.name, "params": self.params, "env": self.env,
+                "rows": [jsonable(r) for r in self.rows]}
+
+
+def jsonable(v):
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items() if not str(k).startswith("_")}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating, float)):
+        f = float(v)
+        return None if math.isnan(f) or math.isinf(f) else f
+    return v
+
+
+def write_json(path: str, data) -> None:
+    _mkparent(path)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+def write_csv(path: str, rows: Sequence[dict]) -> None:
+    _mkparent(path)
+    rows = [jsonable(r) for r in rows]
+    keys: list[str] = []
+    for r in rows:
+        for k, v in r.items():
+            if k not in keys and not isinstance(v, (dict, list)):
+                keys.append(k)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+
+
+def _mkparent(path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+
+
+def pyplot():
+    """matplotlib with the file-only Agg backend (no display on CI machines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def add_timing_args(p, repeats: int = 1, repeats_help: str = "") -> None:
+    p.add_argument("--repeats", type=int, default=repeats,
+                   help=repeats_help or f"timed blocks of -n calls; the median block is "
+                                        f"reported ({repeats})")
+    p.add_argument("--sync-every", type=int, default=SYNC_EVERY,
+                   help=f"block on the result every K timed calls ({SYNC_EVERY}; 1 = each)")
+    p.add_argument("--max-seconds", type=float, default=0.0,
+                   help="cap one measurement near this many seconds by lowering -n (0: off)")
+
+
+def add_output_args(p) -> None:
+    p.add_argument("--out", metavar="DIR", help="write <name>.json, .csv, .png into DIR")
+    p.add_argument("--json", metavar="PATH", help="write all rows and the environment as JSON")
+    p.add_argument("--csv", metavar="PATH", help="write all rows as CSV")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def write_outputs(report: Report, args, plot_fn: Callable[[Report, str], None] | None) -> list[str]:
+    """Honour --out/--json/--csv/--plot; returns the paths written."""
+    paths = {"json": args.json, "csv": args.csv, "plot": args.plot}
+    if args.out:
+        for kind, ext in (("json", "json"), ("csv", "csv"), ("plot", "png")):
+            paths[kind] = paths[kind] or os.path.join(args.out, f"{report.name}.{ext}")
+    written = []
+    if paths["json"]:
+        write_json(paths["json"], report.to_json())
+        written.append(paths["json"])
+    if paths["csv"]:
+        write_csv(paths["csv"], report.rows)
+        written.append(paths["csv"])
+    if paths["plot"] and plot_fn is not None:
+        try:
+            plot_fn(report, paths["plot"])
+            written.append(paths["plot"])
+        except Exception as e:  # a plot must never cost the measurements
+            print(f"# warning: plot failed: {one_line(e)}", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+    return written
+
+
+def progress(items: Iterable, *, total: int | None = None, desc: str = "", disable: bool = False):
+    """tqdm on stderr; off when stderr is not a terminal (disable=None) or when asked."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, total=total, desc=desc, file=sys.stderr, disable=True if disable else None,
+                leave=False, dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives backends: one program, two sets of collectives (MoE reference, training step)
+
+
+class LaxCollectives:
+    """jax.lax's own collectives, spelled like strata's."""
+
+    name = "lax"
+
+    def all_reduce(self, x, axis_name):
+        from jax import lax
+
+        return lax.psum(x, axis_name)
+
+    def all_gather(self, x, axis_name, *, axis=0, tiled=False):
+        from jax import lax
+
+        return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+    def all_to_all(self, x, axis_name, split_axis, concat_axis, *, tiled=False):
+        from jax import lax
+
+        return lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)
+
+
+class StrataCollectives:
+    """stratacl_jax's collectives (mode as in force when the program is traced)."""
+
+    name = "strata"
+
+    def __init__(self, strata):
+        if strata is None:
+            raise Skip(load_strata()[1])
+        missing = [f for f in ("all_reduce", "all_gather", "all_to_all") if not hasattr(strata, f)]
+        if missing:
+            raise Skip(f"stratacl_jax lacks {', '.join(missing)}")
+        self.strata = strata
+
+    def all_reduce(self, x, axis_name):
+        return self.strata.all_reduce(x, axis_name)
+
+    def all_gather(self, x, axis_name, *, axis=0, tiled=False):
+        return self.strata.all_gather(x, axis_name, axis=axis, tiled=tiled)
+
+    def all_to_all(self, x, axis_name, split_axis, concat_axis, *, tiled=False):
+        return self.strata.all_to_all(x, axis_name, split_axis, concat_axis, tiled=tiled)

@@ -1,0 +1,278 @@
+"""`python -m benchmarks train`: one training step of a small MoE block, strata vs lax collectives.
+
+The block (attention-free): out = (x + MoE(LayerNorm(x))) @ proj, loss = mean((out - y)^2).
+The MoE FFN is expert parallel over a 1-D "expert" mesh: the router, layernorm and proj are
+replicated (data parallel: their gradients are averaged with one bucketed all_reduce), the
+experts are sharded (tokens reach them with all_to_all). The step (forward, backward, SGD) is
+written once and takes a collectives backend: jax.lax's or strata's. With --strata-moe the strata
+backend also uses strata.moe.dispatch/combine instead of the reference built from collectives.
+
+Timing: every variant is compiled first; then --repeats rounds, each timing every variant in
+turn (-w warm-up steps, then -n chained steps with params donated and fed back); the step time
+is the median over rounds of the mean per step. Interleaving keeps load drift on a shared
+machine from favouring whichever variant ran last.
+#wrong: elements of the updated parameters after one step from the same start that differ
+from the lax step by more than 1e-5 + 1e-4 |lax|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import time
+
+import numpy as np
+
+from . import common
+from .common import Col, Report
+from .moe import reference_combine, reference_dispatch, route
+
+AX = "expert"
+
+
+class MoEBackend:
+    """A collectives backend plus the dispatch/combine the MoE layer uses with it."""
+
+    def __init__(self, coll, strata_moe=None):
+        self.coll = coll
+        self.strata_moe = strata_moe
+        self.name = coll.name
+
+    def dispatch(self, x, idx, *, num_experts, capacity):
+        if self.strata_moe is not None:
+            return self.strata_moe.dispatch(x, idx, axis_name=AX, num_experts=num_experts,
+                                            capacity=capacity)
+        return reference_dispatch(x, idx, axis_name=AX, num_experts=num_experts,
+                                  capacity=capacity, coll=self.coll)
+
+    def combine(self, ey, handle, w):
+        if self.strata_moe is not None:
+            return self.strata_moe.combine(ey, handle, w)
+        return reference_combine(ey, handle, w, axis_name=AX, coll=self.coll)
+
+
+def init_params(rng: np.random.Generator, h: int, f: int, e: int) -> dict:
+    s = 1 / math.sqrt(h)
+    return {
+        "dense": {"ln_g": np.ones(h, np.float32), "ln_b": np.zeros(h, np.float32),
+                  "router": (rng.standard_normal((h, e)) * s).astype(np.float32),
+                  "proj": (rng.standard_normal((h, h)) * s).astype(np.float32)},
+        "experts": {"w_in": (rng.standard_normal((e, h, f)) * s).astype(np.float32),
+                    "w_out": (rng.standard_normal((e, f, h)) / math.sqrt(f)).astype(np.float32)},
+    }
+
+
+def make_step(backend: MoEBackend, *, n: int, top_k: int, capacity: int, lr: float):
+    """The per-rank body of one SGD step, for any backend."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.flatten_util import ravel_pytree
+
+    def loss_fn(dense, experts, x, y):
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        hn = (x - mu) * lax.rsqrt(var + 1e-5) * dense["ln_g"] + dense["ln_b"]
+        w, idx = route(hn, dense["router"], top_k)
+        recv, handle = backend.dispatch(hn, idx, num_experts=dense["router"].shape[1],
+                                        capacity=capacity)
+        hid = jax.nn.gelu(jnp.einsum("ech,ehf->ecf", recv, experts["w_in"]))
+        ey = jnp.einsum("ecf,efh->ech", hid, experts["w_out"])
+        out = (x + backend.combine(ey, handle, w)) @ dense["proj"]
+        return jnp.mean((out - y) ** 2)
+
+    def step(params, x, y):
+        # Differentiate w.r.t. a per-rank (varying) copy of the replicated weights so that JAX
+        # does not insert its own psum: the data-parallel all_reduce is the backend's.
+        dense_v = jax.tree.map(lambda p: lax.pcast(p, AX, to="varying"), params["dense"])
+        loss, (g_dense, g_exp) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+            dense_v, params["experts"], x, y)
+        flat, unravel = ravel_pytree(g_dense)  # one bucket, as data-parallel trainers do
+        g_dense = unravel(backend.coll.all_reduce(flat, AX) / n)
+        loss = backend.coll.all_reduce(loss, AX) / n
+        # Expert grads already hold every rank's tokens (the all_to_all transposes bring them).
+        new = {"dense": jax.tree.map(lambda p, g: p - lr * g, params["dense"], g_dense),
+               "experts": jax.tree.map(lambda p, g: p - lr * g / n, params["experts"], g_exp)}
+        return new, loss
+
+    return step
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=512, help="tokens per rank (512)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size (256)")
+    p.add_argument("--ffn", type=int, default=512, help="expert FFN width (512)")
+    p.add_argument("--experts", type=int, default=16, help="experts in all (16)")
+    p.add_argument("--topk", type=int, default=2, help="experts per token (2)")
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--npus", type=int, default=8, help="emulated NPUs on the expert axis (8)")
+    p.add_argument("-n", "--iters", type=int, default=10, help="timed steps (10)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=2, help="warm-up steps (2)")
+    p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
+                   help="compare one strata step with the lax step")
+    p.add_argument("--mode", default="strata", help="strata, buffer_centric, or all")
+    p.add_argument("--impl", default="all", help="strata, lax, or all")
+    p.add_argument("--strata-moe", action="store_true",
+                   help="strata backend uses strata.moe.dispatch/combine")
+    p.add_argument("--seed", type=int, default=0)
+    common.add_timing_args(p, 3, "interleaved timing rounds over the variants; the median "
+                                 "round is reported (3)")
+    common.add_output_args(p)
+
+
+def run(args) -> Report:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n, t, h, f, e, k = args.npus, args.tokens, args.hidden, args.ffn, args.experts, args.topk
+    if e % n:
+        raise SystemExit(f"--experts {e} must be a multiple of --npus {n}")
+    cap = math.ceil(args.capacity_factor * n * t * k / e)
+    impls = common.impls_from_arg(args.impl)
+    modes = common.modes_from_arg(args.mode)
+    strata, _ = common.load_strata()
+    mesh = common.make_mesh((n,), (AX,))
+    specs = {"dense": P(), "experts": P(AX)}
+
+    rng = np.random.default_rng(args.seed)
+    params_np = init_params(rng, h, f, e)
+    x_np = rng.standard_normal((n * t, h)).astype(np.float32)
+    y_np = rng.standard_normal((n * t, h)).astype(np.float32)
+    shard = NamedSharding(mesh, P(AX))
+    x, y = jax.device_put(x_np, shard), jax.device_put(y_np, shard)
+
+    def put_params():
+        return {"dense": jax.device_put(params_np["dense"], NamedSharding(mesh, P())),
+                "experts": jax.device_put(params_np["experts"], shard)}
+
+    n_params = sum(a.size for d in params_np.values() for a in d.values())
+    prm = {"npus": n, "tokens": t, "hidden": h, "ffn": f, "experts": e, "topk": k,
+           "capacity": cap, "lr": args.lr, "params": int(n_params), "iters": args.iters,
+           "warmup": args.warmup_iters, "repeats": args.repeats, "sync_every": args.sync_every,
+           "strata_moe": args.strata_moe, "impls": impls, "modes": modes}
+    report = Report("train", prm, env=common.environment())
+    variants = ([("lax", None)] if "lax" in impls else []) + \
+               ([("strata", m) for m in modes] if "strata" in impls else [])
+    # Compile every variant and take one step from the shared start (the comparison), then
+    # time them in interleaved rounds so that load drift on a shared machine hits all alike.
+    prepared = []  # [row, jitted step, mode context factory, current (params, x, y)]
+    ref_params = None
+    for impl, mode in variants:
+        row = {"impl": impl, "mode": mode, "status": "ok", "reason": None, **{
+            kk: prm[kk] for kk in ("npus", "tokens", "hidden", "ffn", "experts", "topk")}}
+        report.rows.append(row)
+        try:
+            if impl == "lax":
+                backend, ctx = MoEBackend(common.LaxCollectives()), contextlib.nullcontext
+            else:
+                ctx = lambda m=mode: common.strata_mode_context(strata, m)  # noqa: E731
+                ctx()  # a mode the library refuses is a skip, found here
+                moe_mod = None
+                if args.strata_moe:
+                    moe_mod = getattr(strata, "moe", None)
+                    if moe_mod is None:
+                        raise common.Skip("strata.moe not available")
+                backend = MoEBackend(common.StrataCollectives(strata), moe_mod)
+            body = make_step(backend, n=n, top_k=k, capacity=cap, lr=args.lr)
+            step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(AX), P(AX)),
+                                         out_specs=(specs, P())), donate_argnums=0)
+            with ctx():
+                t0 = time.perf_counter()
+                new, loss = jax.block_until_ready(step(put_params(), x, y))
+                row["first_call_s"] = time.perf_counter() - t0
+            new_np = jax.tree.map(np.asarray, new)
+            row["loss"] = float(loss)
+        except Exception as ex:
+            row.update(common.failure(ex))
+            continue
+        if impl == "lax":
+            ref_params = new_np
+        elif args.check and ref_params is not None:
+            a = np.concatenate([v.ravel() for v in jax.tree.leaves(new_np)])
+            b = np.concatenate([v.ravel() for v in jax.tree.leaves(ref_params)])
+            row["wrong"] = int(np.count_nonzero(np.abs(a - b) > 1e-5 + 1e-4 * np.abs(b)))
+            row["max_abs_diff"] = float(np.max(np.abs(a - b)))
+        prepared.append([row, step, ctx, (put_params(), x, y)])
+
+    bar = common.progress(range(args.repeats * len(prepared)), desc="train",
+                          disable=args.no_progress)
+    tick = iter(bar)
+    for _ in range(args.repeats):
+        for item in prepared:
+            next(tick, None)
+            row, step, ctx, state = item
+            if row["status"] != "ok":
+                continue
+            try:
+                with ctx():
+                    timing, (_, state) = common.time_calls(
+                        step, state, iters=args.iters, warmup=args.warmup_iters,
+                        max_seconds=args.max_seconds, first_call=False,
+                        sync_every=args.sync_every,
+                        chain=lambda a, out: (out[0], a[1], a[2]))
+            except Exception as ex:
+                row.update(common.failure(ex))
+                continue
+            item[3] = state
+            row.setdefault("rounds_ms", []).append(timing.mean_us / 1e3)
+            row["iters"] = timing.iters
+    if hasattr(bar, "close"):
+        bar.close()
+    for row in report.rows:
+        if row["status"] == "ok" and row.get("rounds_ms"):
+            row["step_ms"] = float(np.median(row["rounds_ms"]))
+            row["tokens_per_s"] = n * t / (row["step_ms"] * 1e-3)
+    lax_row = next((r for r in report.rows if r["impl"] == "lax" and r["status"] == "ok"), None)
+    for r in report.rows:
+        if r["impl"] == "strata" and r["status"] == "ok" and lax_row:
+            r["lax_step_ms"] = lax_row["step_ms"]
+            r["speedup"] = lax_row["step_ms"] / r["step_ms"]
+    report.emit(_table(report, prm))
+    return report
+
+
+COLS = [Col("name", "collectives", "", "", 22), Col("step_ms", "step", "(ms)", ".2f", 9),
+        Col("tokens_per_s", "tokens/s", "", ".0f", 9), Col("loss", "loss", "", ".5f", 9),
+        Col("wrong", "#wrong", "", "d", 6), Col("max_abs_diff", "max |d|", "", ".1e", 8),
+        Col("lax_step_ms", "lax step", "(ms)", ".2f", 9),
+        Col("speedup", "speedup", "(x)", ".2f", 7)]
+
+
+def _table(report: Report, p: dict) -> str:
+    rows = []
+    for r in report.rows:
+        t = dict(r, name="lax" if r["impl"] == "lax" else f"strata {r['mode']}"
+                 + (" +strata.moe" if p["strata_moe"] else ""))
+        if r["status"] != "ok":
+            t["_note"] = f"{r['status']}: {r['reason']}"
+        rows.append(t)
+    title = (f"MoE block training step (fwd+bwd+SGD): N={p['npus']} tokens/rank={p['tokens']} "
+             f"hidden={p['hidden']} ffn={p['ffn']} experts={p['experts']} top-k={p['topk']} "
+             f"capacity={p['capacity']} params={p['params']}")
+    foot = ["#wrong: updated parameters differing from the lax step by > 1e-5 + 1e-4|lax|"]
+    return common.render_table(COLS, rows, title=title, footer=foot)
+
+
+def plot(report: Report, path: str) -> None:
+    plt = common.pyplot()
+    rows = [r for r in report.rows if r["status"] == "ok"]
+    if not rows:
+        return
+    fig, a = plt.subplots(figsize=(6, 3.5))
+    names = ["lax" if r["impl"] == "lax" else f"strata ({r['mode']})" for r in rows]
+    bars = a.bar(names, [r["step_ms"] for r in rows],
+                 color=["gray" if r["impl"] == "lax" else "tab:blue" for r in rows])
+    for b, r in zip(bars, rows):
+        if r.get("speedup"):
+            a.annotate(f"{r['speedup']:.2f}x vs lax",
+                       (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
+    a.set_ylim(0, 1.15 * max(r["step_ms"] for r in rows))  # room for the labels
+    p = report.params
+    a.set_ylabel("step time (ms)")
+    a.set_title(f"MoE training step, N={p['npus']}, {p['tokens']} tok/rank, H={p['hidden']}")
+    a.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,102 @@
+"""Smoke test of the benchmark suite: every subcommand runs with tiny sizes, prints its table,
+writes JSON/CSV/PNG, and every measured row is exact (#wrong == 0).
+
+The CLI runs in a subprocess: it must set the emulated NPU count before JAX starts, which this
+test process (conftest) has already done for itself."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `benchmarks` is a top-level folder of the repo, not installed
+
+from benchmarks import collectives, common  # noqa: E402
+
+
+def run_cli(*argv, timeout=240):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def check_rows(path, min_ok):
+    data = json.loads(Path(path).read_text())
+    rows = data["rows"]
+    errors = [(r.get("op"), r["impl"], r["mode"], r["reason"]) for r in rows
+              if r["status"] == "error"]
+    assert not errors, f"rows that failed: {errors}"
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) >= min_ok, f"only {len(ok)} rows ran: {rows}"
+    wrong = [(r.get("op"), r["impl"], r["mode"], r["wrong"]) for r in ok if r.get("wrong")]
+    assert not wrong, f"#wrong != 0: {wrong}"
+    return data
+
+
+def test_collectives_cli(tmp_path):
+    out = run_cli("collectives", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
+                  "--npus", "8", "--mode", "all", "--out", str(tmp_path))
+    assert "#wrong" in out and "Avg bus bandwidth" in out
+    data = check_rows(tmp_path / "collectives.json", min_ok=len(collectives.OPS) * 2)
+    lax = [r for r in data["rows"] if r["impl"] == "lax"]
+    assert lax and all(r["status"] == "ok" and r["wrong"] == 0 for r in lax)
+    assert (tmp_path / "collectives.csv").stat().st_size > 0
+    assert (tmp_path / "collectives.png").stat().st_size > 0
+
+
+def test_collectives_cli_mesh_and_dtype(tmp_path):
+    run_cli("collectives", "-b", "256", "-e", "256", "-n", "2", "-w", "1", "--mesh", "2x4",
+            "-d", "int32", "-o", "max", "--op", "all_reduce,reduce_scatter,all_to_all",
+            "--json", str(tmp_path / "c.json"))
+    data = check_rows(tmp_path / "c.json", min_ok=3)
+    assert data["params"]["mesh"] == [2, 4]
+
+
+def test_moe_cli(tmp_path):
+    out = run_cli("moe", "--tokens", "32", "--hidden", "64", "--topk", "2", "--experts", "16",
+                  "--ffn", "32", "--capacity-factor", "0.75", "-n", "2", "-w", "1",
+                  "--out", str(tmp_path))
+    assert "dispatch" in out and "combine" in out and "#wrong" in out
+    data = check_rows(tmp_path / "moe.json", min_ok=3)
+    assert data["params"]["dropped_pairs"] > 0  # the drop path was exercised
+
+
+def test_train_cli(tmp_path):
+    out = run_cli("train", "--tokens", "32", "--hidden", "32", "--ffn", "32", "--experts", "16",
+                  "--topk", "2", "-n", "2", "-w", "1", "--out", str(tmp_path))
+    assert "step" in out
+    check_rows(tmp_path / "train.json", min_ok=1)
+
+
+# Pure helpers (no devices needed)
+
+def test_sizes():
+    assert common.parse_size("4K") == 4096 and common.parse_size("1M") == 1 << 20
+    assert common.parse_size("2G") == 2 << 30 and common.parse_size("100") == 100
+    assert common.size_sweep(1024, 16384, 4) == [1024, 4096, 16384]
+    with pytest.raises(ValueError):
+        common.parse_size("4X")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8", "uint8", "float32"])
+@pytest.mark.parametrize("redop", ["sum", "prod", "max", "min"])
+@pytest.mark.parametrize("n", [8, 384])
+def test_inputs_keep_reductions_exact(dtype, redop, n):
+    """The #wrong check relies on every reduction of the inputs being exactly representable."""
+    spec = collectives.SPECS["all_reduce"]
+    vals = collectives.make_values(spec, redop, dtype, n, 64)
+    dt = collectives.np_dtype(dtype)
+    exact = collectives.reduce_np(vals, redop)
+    assert np.array_equal(exact.astype(dt).astype(np.float64), exact.astype(np.float64))
+    assert np.array_equal(vals.astype(dt).astype(np.int64), vals)  # inputs exact too
+    if redop == "sum":
+        assert len(np.unique(vals[:, 0])) > 1 or n > 255  # depends on the rank

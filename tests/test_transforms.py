@@ -168,3 +168,25 @@ def test_ten_independent_collectives_in_one_program(mesh2x4):
 
     for i, (g, w) in enumerate(zip(program(S), program(L))):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=f"output {i}")
+
+
+@pytest.mark.parametrize("elems", [16, 1 << 16])
+def test_strata_and_lax_collectives_interleaved(mesh8, elems):
+    """A rank resumed after a strata op may block in XLA's own collective; the
+    others must still be resumed (each on its own thread), not queued behind it."""
+    x = random_array(np.random.default_rng(7), (8 * elems,), np.float32)
+    spec = P("x")
+
+    def body(v):
+        y = strata.all_reduce(v, "x")
+        z = lax.psum(y * 0.5, "x")
+        return strata.ppermute(z + v, "x", [(i, (i + 1) % 8) for i in range(8)]) + lax.pmax(v, "x")
+
+    def reference(v):
+        y = lax.psum(v, "x")
+        z = lax.psum(y * 0.5, "x")
+        return lax.ppermute(z + v, "x", [(i, (i + 1) % 8) for i in range(8)]) + lax.pmax(v, "x")
+
+    run = lambda f: np.asarray(jax.jit(jax.shard_map(f, mesh=mesh8, in_specs=spec, out_specs=spec))(
+        jax.device_put(x, NamedSharding(mesh8, spec))))
+    np.testing.assert_allclose(run(body), run(reference), rtol=1e-5, atol=1e-5)

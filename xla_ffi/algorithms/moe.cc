@@ -3,13 +3,12 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <sstream>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -41,8 +40,8 @@ constexpr const char* kDispatchName = "strata.moe.dispatch";
 constexpr const char* kCombineName = "strata.moe.combine";
 constexpr const char* kCombineBwdName = "strata.moe.combine (backward)";
 
-// About this many bytes per task: small enough to spread over the group's
-// threads and lanes, large enough that the shared cursor is not contended.
+// About this many bytes per task: small enough to spread over the host
+// workers and lanes, large enough that claiming tasks is not contended.
 constexpr int64_t kTaskBytes = 256 << 10;
 
 // ---------------------------------------------------------------------------
@@ -196,8 +195,8 @@ class StagingPool {
     int device = -1;
   };
 
-  // A call holds its buffer for its whole life, so ops that XLA runs
-  // concurrently never share one.
+  // A call holds its buffer until its group's op is over, so ops that XLA
+  // runs concurrently never share one.
   Buffer* Take(int device, int64_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < free_.size(); ++i) {
@@ -281,7 +280,7 @@ class RowBuffers {
   RowBuffers& operator=(const RowBuffers&) = delete;
 
   // Takes the communication buffers (buffer-centric mode). Every rank has the
-  // same sizes, so every rank fails alike, before the rendezvous.
+  // same sizes, so every rank fails alike, before joining the group.
   Status Acquire() {
     if (!staged_) return Status::Ok();
     if (in_bytes_ > limit_ || out_bytes_ > limit_) {
@@ -303,6 +302,8 @@ class RowBuffers {
   }
   void* out(size_t i) const { return staged_ ? out_->data + OutOffset(i) : outs_[i].user; }
   bool direct() const { return !staged_; }
+  // This rank's share of the op's traffic (sizes the small-op path).
+  int64_t bytes() const { return in_bytes_ + out_bytes_; }
 
   // Copies this rank's inputs into its comm buffer (before peers may read).
   void StageIn() const {
@@ -349,6 +350,82 @@ class RowBuffers {
   StagingPool::Buffer* out_ = nullptr;
 };
 
+
+// One rank's part of an op in flight. It lives until the group's job is over
+// (peers read its comm buffers until then); then the rank's completion runs.
+struct RankState {
+  RankState(const char* opname, const MoeParams& p, int device, std::vector<RowBuffers::In> ins,
+            std::vector<RowBuffers::Out> outs)
+      : rows(opname, p, device, std::move(ins), std::move(outs)) {}
+  virtual ~RankState() = default;
+
+  RowBuffers rows;
+  // An error the group agreed on, set on every rank by the starter: each rank
+  // reports it as is, not behind the last arriver's prefix.
+  std::string error;
+};
+
+// Below this many bytes moved by the whole group, handing the op to the
+// workers costs more than the work: the last rank in does it on the spot.
+constexpr int64_t kInlineGroupBytes = 256 << 10;
+
+// Makes `phases` the group's job, or runs them here and now (inside the
+// starter, the group complete) when the op is small and direct. The
+// buffer_centric baseline always goes through the workers, as collectives do.
+void Schedule(std::vector<Phase> phases, const RankState& any, int n, std::shared_ptr<Job>* job) {
+  *job = std::make_shared<Job>();
+  if (any.rows.direct() && any.rows.bytes() * n <= kInlineGroupBytes) {
+    for (const Phase& phase : phases)
+      for (uint64_t i = 0; i < phase.count; ++i) phase.run(i);
+    return;
+  }
+  (*job)->phases = std::move(phases);
+}
+
+// One task per rank: copies inputs into, or results out of, its comm buffer.
+template <typename R>
+Phase StagePhase(std::vector<R*> ranks, bool in) {
+  Phase phase;
+  phase.count = ranks.size();
+  phase.run = [ranks = std::move(ranks), in](uint64_t r) {
+    if (in) ranks[r]->rows.StageIn();
+    else ranks[r]->rows.StageOut();
+  };
+  return phase;
+}
+
+// The rank states the group published (each rank's last pointer).
+template <typename R>
+std::vector<R*> Ranks(const Slot& s) {
+  std::vector<R*> ranks(s.n);
+  for (int r = 0; r < s.n; ++r) ranks[r] = static_cast<R*>(s.ptrs[r].back());
+  return ranks;
+}
+
+// Joins the group without blocking the caller. `state` is published after
+// `ptrs` and kept until the group's job is over, then dropped (its comm
+// buffers go back to the pool) before `done` hears the outcome.
+void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
+            std::shared_ptr<RankState> state, std::vector<void*> ptrs, const Starter& start,
+            MoeDone done) {
+  ptrs.push_back(state.get());
+  Completion finish = [state = std::move(state), done = std::move(done)](const Status& st) mutable {
+    Status out = st.ok && !state->error.empty() ? Status::Error(state->error) : st;
+    state.reset();
+    done(out);
+  };
+  JoinAsync(MakeParticipant(opname, p, c), std::move(ptrs), p.Describe(opname), std::move(finish),
+            start);
+}
+
+struct DispatchRank : RankState {
+  using RankState::RankState;
+  const int32_t* topk_idx = nullptr;
+  int32_t *pair_slot = nullptr, *slot_source = nullptr, *recv_counts = nullptr, *dropped = nullptr;
+  std::vector<int64_t> counts;  // this rank's pairs per expert
+  std::string bad;              // this rank's first bad expert id, if any
+};
+
 // What the last rank to arrive at a dispatch works out for the group.
 struct DispatchLayout {
   std::vector<int64_t> base;   // [N][E]: pairs of lower ranks routed to e
@@ -358,19 +435,28 @@ struct DispatchLayout {
 
 }  // namespace
 
-Status MoeDispatch(const MoeParams& p, const MoeCall& c, const void* x, const int32_t* topk_idx,
-                   void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
-                   int32_t* dropped) {
-  STRATA_RETURN_IF_ERROR(CheckCall(kDispatchName, p, c));
+void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, const int32_t* topk_idx,
+                      void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
+                      int32_t* dropped, MoeDone done) {
+  Status st = CheckCall(kDispatchName, p, c);
+  if (!st.ok) return done(st);
   const int n = p.group_size;
   const int32_t num_e = p.num_experts;
   const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
   const int64_t rb = p.row_bytes();
 
+  auto me = std::make_shared<DispatchRank>(kDispatchName, p, c.device,
+                                           std::vector<RowBuffers::In>{{x, p.tokens * rb}},
+                                           std::vector<RowBuffers::Out>{{recv_x, el * cap * rb}});
+  me->topk_idx = topk_idx;
+  me->pair_slot = pair_slot;
+  me->slot_source = slot_source;
+  me->recv_counts = recv_counts;
+  me->dropped = dropped;
   // This rank's pairs per expert, and the first bad id (reported by everyone,
-  // before anyone touches a peer's buffer).
-  std::vector<int64_t> counts(num_e, 0);
-  std::string bad;
+  // before anyone touches a peer's buffer). Only this rank's buffers are
+  // read, so it happens before joining.
+  me->counts.assign(num_e, 0);
   for (int64_t i = 0; i < pairs; ++i) {
     const int32_t e = topk_idx[i];
     if (e < 0 || e >= num_e) {
@@ -379,266 +465,286 @@ Status MoeDispatch(const MoeParams& p, const MoeCall& c, const void* x, const in
          << c.rank << " of " << n << ", device " << c.device << "): token " << i / p.topk
          << ", k=" << i % p.topk << " is routed to expert id " << e << ", outside [0, " << num_e
          << ")";
-      bad = os.str();
+      me->bad = os.str();
       break;
     }
-    counts[e]++;
+    me->counts[e]++;
   }
-  RowBuffers rows(kDispatchName, p, c.device, {{x, p.tokens * rb}}, {{recv_x, el * cap * rb}});
-  STRATA_RETURN_IF_ERROR(rows.Acquire());
+  st = me->rows.Acquire();
+  if (!st.ok) return done(st);
   GlobalStats().ops++;
 
-  Rendezvous rv(MakeParticipant(kDispatchName, p, c));
-  Status st = rv.Arrive({rows.in(0), rows.out(0), slot_source, counts.data(), &bad},
-                        p.Describe(kDispatchName), [&](Slot& s) {
+  enum { kX = 0, kRecv };
+  std::vector<void*> ptrs = {me->rows.in(0), me->rows.out(0)};
+  Launch(kDispatchName, p, c, std::move(me), std::move(ptrs),
+         [p, n, num_e, el, cap, pairs, rb](Slot& s, std::shared_ptr<Job>* job) -> Status {
+    std::vector<DispatchRank*> ranks = Ranks<DispatchRank>(s);
     auto layout = std::make_shared<DispatchLayout>();
     layout->base.assign(static_cast<size_t>(n) * num_e, 0);
     layout->total.assign(num_e, 0);
     for (int r = 0; r < n; ++r) {
-      const int64_t* cr = static_cast<const int64_t*>(s.ptrs[r][3]);
-      const std::string& why = *static_cast<const std::string*>(s.ptrs[r][4]);
-      if (layout->error.empty() && !why.empty()) layout->error = why;
+      if (layout->error.empty() && !ranks[r]->bad.empty()) layout->error = ranks[r]->bad;
       for (int32_t e = 0; e < num_e; ++e) {
         layout->base[static_cast<size_t>(r) * num_e + e] = layout->total[e];
-        layout->total[e] += cr[e];
+        layout->total[e] += ranks[r]->counts[e];
       }
     }
-    s.shared = layout;
+    if (!layout->error.empty()) {
+      // Every rank reports the same error and nobody has touched a peer.
+      for (DispatchRank* r : ranks) r->error = layout->error;
+      return Status::Ok();
+    }
+    const bool direct = ranks[0]->rows.direct();
+    std::vector<Phase> phases;
+
+    // Phase 1, a task per rank: stage its x in (peers read it next phase),
+    // place its pairs in (token, k) order after all pairs of lower ranks,
+    // and tell the owning ranks where each of their rows comes from.
+    Phase place;
+    place.count = n;
+    place.run = [ranks, layout, num_e, el, cap, pairs](uint64_t rank) {
+      DispatchRank& me = *ranks[rank];
+      me.rows.StageIn();
+      std::vector<int64_t> next(layout->base.begin() + rank * num_e,
+                                layout->base.begin() + (rank + 1) * num_e);
+      int32_t drops = 0;
+      const int64_t first_pair = static_cast<int64_t>(rank) * pairs;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const int32_t e = me.topk_idx[i];
+        const int64_t row = next[e]++;
+        if (row >= cap) {
+          me.pair_slot[i] = -1;
+          drops++;
+          continue;
+        }
+        me.pair_slot[i] = static_cast<int32_t>(e * cap + row);
+        ranks[e / el]->slot_source[(e % el) * cap + row] = static_cast<int32_t>(first_pair + i);
+      }
+      *me.dropped = drops;
+      for (int64_t l = 0; l < el; ++l) {
+        const int64_t filled = std::min(layout->total[rank * el + l], cap);
+        me.recv_counts[l] = static_cast<int32_t>(filled);
+        std::fill(me.slot_source + l * cap + filled, me.slot_source + (l + 1) * cap, -1);
+      }
+    };
+    phases.push_back(std::move(place));
+
+    // Phase 2: every row moves once, source x -> owner's recv_x (DMA work of
+    // the owning NPU), in tasks of runs of expert rows.
+    Phase exchange;
+    const ExpertTasks tasks(p, rb);
+    exchange.count = tasks.count(n);
+    exchange.run = [p, tasks, ranks, ptrs = s.ptrs, devices = s.devices, pairs, rb,
+                    direct](uint64_t i) {
+      const ExpertTasks::Task task = tasks.at(i);
+      char* out = static_cast<char*>(ptrs[task.rank][kRecv]);
+      const int32_t* sources = ranks[task.rank]->slot_source;
+      int64_t moved = 0, zeroed = 0;
+      for (int64_t row = task.first_row; row < task.end_row; ++row) {
+        const int32_t src = sources[row];
+        if (src < 0) {
+          std::memset(out + row * rb, 0, rb);
+          zeroed += rb;
+          continue;
+        }
+        const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk;
+        std::memcpy(out + row * rb, static_cast<const char*>(ptrs[src_rank][kX]) + token * rb, rb);
+        moved += rb;
+      }
+      Stats& stats = GlobalStats();
+      if (moved + zeroed > 0)
+        stats.AddLaneBytes(true, devices[task.rank], static_cast<int>(task.chunk % p.engines),
+                           p.engines, 2 * moved + zeroed);
+      if (moved > 0) {
+        if (direct) stats.bytes_direct += moved;
+        stats.bytes_exchanged += moved;
+      }
+    };
+    phases.push_back(std::move(exchange));
+    // Results leave the comm buffers only once every row has arrived; no
+    // rank completes (letting XLA reuse its x) while a peer may still read it.
+    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
+    Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
-  });
-  if (!st.ok) return st;
-  Slot& s = rv.slot();
-  const DispatchLayout& layout = *std::static_pointer_cast<DispatchLayout>(s.shared);
-  // Every rank returns the same error and nobody has touched a peer yet.
-  if (!layout.error.empty()) return Status::Error(layout.error);
-
-  rows.StageIn();  // peers read it after the next barrier
-
-  // Phase 1: each rank places its own pairs, in (token, k) order after all
-  // pairs of lower ranks, and tells the owning rank where each row comes from.
-  std::vector<int64_t> next(layout.base.begin() + static_cast<size_t>(c.rank) * num_e,
-                            layout.base.begin() + static_cast<size_t>(c.rank + 1) * num_e);
-  int32_t drops = 0;
-  const int64_t first_pair = c.rank * pairs;
-  for (int64_t i = 0; i < pairs; ++i) {
-    const int32_t e = topk_idx[i];
-    const int64_t row = next[e]++;
-    if (row >= cap) {
-      pair_slot[i] = -1;
-      drops++;
-      continue;
-    }
-    pair_slot[i] = static_cast<int32_t>(e * cap + row);
-    int32_t* owner_slots = static_cast<int32_t*>(s.ptrs[e / el][2]);
-    owner_slots[(e % el) * cap + row] = static_cast<int32_t>(first_pair + i);
-  }
-  *dropped = drops;
-  for (int64_t l = 0; l < el; ++l) {
-    const int64_t filled = std::min(layout.total[c.rank * el + l], cap);
-    recv_counts[l] = static_cast<int32_t>(filled);
-    std::fill(slot_source + l * cap + filled, slot_source + (l + 1) * cap, -1);
-  }
-  st = rv.Barrier("layout");
-  if (!st.ok) return rv.Fail(st);
-
-  // Phase 2: every row moves once, source x -> owner's recv_x (DMA work of
-  // the owning NPU), split over the group's worker threads.
-  const ExpertTasks tasks(p, rb);
-  Stats& stats = GlobalStats();
-  std::atomic<int64_t> moved_total{0};
-  RunShared(s, tasks.count(n), [&](uint64_t i) {
-    const ExpertTasks::Task task = tasks.at(i);
-    char* out = static_cast<char*>(s.ptrs[task.rank][1]);
-    const int32_t* sources = static_cast<const int32_t*>(s.ptrs[task.rank][2]);
-    int64_t moved = 0, zeroed = 0;
-    for (int64_t row = task.first_row; row < task.end_row; ++row) {
-      const int32_t src = sources[row];
-      if (src < 0) {
-        std::memset(out + row * rb, 0, rb);
-        zeroed += rb;
-        continue;
-      }
-      const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk;
-      std::memcpy(out + row * rb, static_cast<const char*>(s.ptrs[src_rank][0]) + token * rb, rb);
-      moved += rb;
-    }
-    if (moved + zeroed > 0)
-      stats.AddLaneBytes(true, s.devices[task.rank], static_cast<int>(task.chunk % p.engines),
-                         p.engines, 2 * moved + zeroed);
-    moved_total += moved;
-  });
-  if (rows.direct()) stats.bytes_direct += moved_total.load();
-  stats.bytes_exchanged += moved_total.load();
-  // Nobody may return (and let XLA reuse its buffers) while a peer still reads x.
-  st = rv.Barrier("exchange");
-  if (!st.ok) return rv.Fail(st);
-  rows.StageOut();
-  return Status::Ok();
+  }, std::move(done));
 }
 
-Status MoeCombine(const MoeParams& p, const MoeCall& c, const void* expert_y, const void* weights,
-                  const int32_t* pair_slot, void* y) {
-  STRATA_RETURN_IF_ERROR(CheckCall(kCombineName, p, c));
+void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
+                     const void* weights, const int32_t* pair_slot, void* y, MoeDone done) {
+  Status st = CheckCall(kCombineName, p, c);
+  if (!st.ok) return done(st);
   if (!MoeSupportsCombine(p.dtype))
-    return Status::Error(std::string(kCombineName) + ": rows must be a float type, got " +
-                         DTypeName(p.dtype));
+    return done(Status::Error(std::string(kCombineName) + ": rows must be a float type, got " +
+                              DTypeName(p.dtype)));
   const int n = p.group_size;
   const int64_t el = p.local_experts(), cap = p.capacity, h = p.hidden, k_top = p.topk;
   const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
-  RowBuffers rows(kCombineName, p, c.device, {{expert_y, slots_per_rank * rb}}, {{y, p.tokens * rb}});
-  STRATA_RETURN_IF_ERROR(rows.Acquire());
+  auto me = std::make_shared<RankState>(kCombineName, p, c.device,
+                                        std::vector<RowBuffers::In>{{expert_y, slots_per_rank * rb}},
+                                        std::vector<RowBuffers::Out>{{y, p.tokens * rb}});
+  st = me->rows.Acquire();
+  if (!st.ok) return done(st);
   GlobalStats().ops++;
 
-  Rendezvous rv(MakeParticipant(kCombineName, p, c));
-  Status st = rv.Arrive({rows.in(0), const_cast<void*>(weights), const_cast<int32_t*>(pair_slot),
-                         rows.out(0)},
-                        p.Describe(kCombineName));
-  if (!st.ok) return st;
-  Slot& s = rv.slot();
-  if (!rows.direct()) {
-    rows.StageIn();
-    st = rv.Barrier("stage-in");
-    if (!st.ok) return rv.Fail(st);
-  }
+  enum { kEy = 0, kW, kSlots, kY };
+  std::vector<void*> ptrs = {me->rows.in(0), const_cast<void*>(weights),
+                             const_cast<int32_t*>(pair_slot), me->rows.out(0)};
+  Launch(kCombineName, p, c, std::move(me), std::move(ptrs),
+         [p, n, h, k_top, rb, slots_per_rank, all_slots](Slot& s, std::shared_ptr<Job>* job) -> Status {
+    std::vector<RankState*> ranks = Ranks<RankState>(s);
+    const bool direct = ranks[0]->rows.direct();
+    std::vector<Phase> phases;
+    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
 
-  // Each token's weighted sum runs on its own rank's cores, reading the
-  // expert rows straight from their owners.
-  const TokenTasks tasks(p);
-  Stats& stats = GlobalStats();
-  std::atomic<int64_t> moved_total{0};
-  WithFloatType(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    using A = typename AccOf<T>::type;
-    RunShared(s, tasks.count(n), [&](uint64_t i) {
-      const TokenTasks::Task task = tasks.at(i);
-      const int32_t* slots = static_cast<const int32_t*>(s.ptrs[task.rank][2]);
-      const A* w = static_cast<const A*>(s.ptrs[task.rank][1]);
-      T* out = static_cast<T*>(s.ptrs[task.rank][3]);
-      std::vector<A> acc(h);
-      int64_t rows = 0;
-      for (int64_t t = task.first; t < task.end; ++t) {
-        std::fill(acc.begin(), acc.end(), A(0));
-        for (int64_t k = 0; k < k_top; ++k) {
-          const int64_t slot = slots[t * k_top + k];
-          if (slot < 0 || slot >= all_slots) continue;
-          const T* row = static_cast<const T*>(s.ptrs[slot / slots_per_rank][0]) +
-                         (slot % slots_per_rank) * h;
-          Axpy(acc.data(), row, w[t * k_top + k], h);
-          rows++;
+    // Each token's weighted sum runs on its own rank's cores, reading the
+    // expert rows straight from their owners.
+    Phase combine;
+    const TokenTasks tasks(p);
+    combine.count = tasks.count(n);
+    WithFloatType(p.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      using A = typename AccOf<T>::type;
+      combine.run = [p, tasks, ptrs = s.ptrs, devices = s.devices, h, k_top, rb, slots_per_rank,
+                     all_slots, direct](uint64_t i) {
+        const TokenTasks::Task task = tasks.at(i);
+        const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
+        const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
+        T* out = static_cast<T*>(ptrs[task.rank][kY]);
+        std::vector<A> acc(h);
+        int64_t rows = 0;
+        for (int64_t t = task.first; t < task.end; ++t) {
+          std::fill(acc.begin(), acc.end(), A(0));
+          for (int64_t k = 0; k < k_top; ++k) {
+            const int64_t slot = slots[t * k_top + k];
+            if (slot < 0 || slot >= all_slots) continue;
+            const T* row = static_cast<const T*>(ptrs[slot / slots_per_rank][kEy]) +
+                           (slot % slots_per_rank) * h;
+            Axpy(acc.data(), row, w[t * k_top + k], h);
+            rows++;
+          }
+          for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
         }
-        for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
-      }
-      const int64_t touched = (rows + (task.end - task.first)) * rb;
-      if (touched > 0)
-        stats.AddLaneBytes(false, s.devices[task.rank], static_cast<int>(task.chunk % p.cores),
-                           p.cores, touched);
-      moved_total += rows * rb;
+        Stats& stats = GlobalStats();
+        const int64_t touched = (rows + (task.end - task.first)) * rb;
+        if (touched > 0)
+          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores),
+                             p.cores, touched);
+        if (rows > 0) {
+          if (direct) stats.bytes_direct += rows * rb;
+          stats.bytes_exchanged += rows * rb;
+        }
+      };
     });
-  });
-  if (rows.direct()) stats.bytes_direct += moved_total.load();
-  stats.bytes_exchanged += moved_total.load();
-  st = rv.Barrier("combine");
-  if (!st.ok) return rv.Fail(st);
-  rows.StageOut();
-  return Status::Ok();
+    phases.push_back(std::move(combine));
+    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
+    Schedule(std::move(phases), *ranks[0], n, job);
+    return Status::Ok();
+  }, std::move(done));
 }
 
-Status MoeCombineBackward(const MoeParams& p, const MoeCall& c, const void* ct_y,
-                          const void* expert_y, const void* weights, const int32_t* pair_slot,
-                          const int32_t* slot_source, void* d_expert_y, void* d_weights) {
-  STRATA_RETURN_IF_ERROR(CheckCall(kCombineBwdName, p, c));
+void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* ct_y,
+                             const void* expert_y, const void* weights, const int32_t* pair_slot,
+                             const int32_t* slot_source, void* d_expert_y, void* d_weights,
+                             MoeDone done) {
+  Status st = CheckCall(kCombineBwdName, p, c);
+  if (!st.ok) return done(st);
   if (!MoeSupportsCombine(p.dtype))
-    return Status::Error(std::string(kCombineBwdName) + ": rows must be a float type, got " +
-                         DTypeName(p.dtype));
+    return done(Status::Error(std::string(kCombineBwdName) + ": rows must be a float type, got " +
+                              DTypeName(p.dtype)));
   const int n = p.group_size;
   const int64_t el = p.local_experts(), cap = p.capacity, h = p.hidden, k_top = p.topk;
   const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
   const int64_t pairs = p.tokens * p.topk;
   const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
-  RowBuffers rows(kCombineBwdName, p, c.device,
-                  {{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}, {weights, pairs * wsize}},
-                  {{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
-  STRATA_RETURN_IF_ERROR(rows.Acquire());
+  auto me = std::make_shared<RankState>(
+      kCombineBwdName, p, c.device,
+      std::vector<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}, {weights, pairs * wsize}},
+      std::vector<RowBuffers::Out>{{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
+  st = me->rows.Acquire();
+  if (!st.ok) return done(st);
   GlobalStats().ops++;
 
-  Rendezvous rv(MakeParticipant(kCombineBwdName, p, c));
-  Status st = rv.Arrive({rows.in(0), rows.in(1), rows.in(2), const_cast<int32_t*>(pair_slot),
-                         const_cast<int32_t*>(slot_source), rows.out(0), rows.out(1)},
-                        p.Describe(kCombineBwdName));
-  if (!st.ok) return st;
-  Slot& s = rv.slot();
-  if (!rows.direct()) {
-    rows.StageIn();
-    st = rv.Barrier("stage-in");
-    if (!st.ok) return rv.Fail(st);
-  }
   enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };
+  std::vector<void*> ptrs = {me->rows.in(0), me->rows.in(1), me->rows.in(2),
+                             const_cast<int32_t*>(pair_slot), const_cast<int32_t*>(slot_source),
+                             me->rows.out(0), me->rows.out(1)};
+  Launch(kCombineBwdName, p, c, std::move(me), std::move(ptrs),
+         [p, n, h, k_top, rb, slots_per_rank, all_slots, pairs](Slot& s, std::shared_ptr<Job>* job) -> Status {
+    std::vector<RankState*> ranks = Ranks<RankState>(s);
+    const bool direct = ranks[0]->rows.direct();
+    std::vector<Phase> phases;
+    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
 
-  // Two independent task families in one cursor: expert rows get the
-  // weighted cotangent of the token that filled them (scatter, like
-  // dispatch); each (token, k) gets its dot product with the expert row.
-  const ExpertTasks rows_tasks(p, rb);
-  const TokenTasks token_tasks(p);
-  const uint64_t first_token_task = rows_tasks.count(n);
-  Stats& stats = GlobalStats();
-  std::atomic<int64_t> moved_total{0};
-  WithFloatType(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    using A = typename AccOf<T>::type;
-    RunShared(s, first_token_task + token_tasks.count(n), [&](uint64_t i) {
-      int64_t moved = 0, touched = 0;
-      int npu = 0, lane = 0;
-      if (i < first_token_task) {
-        const ExpertTasks::Task task = rows_tasks.at(i);
-        T* out = static_cast<T*>(s.ptrs[task.rank][kDEy]);
-        const int32_t* sources = static_cast<const int32_t*>(s.ptrs[task.rank][kSlotSource]);
-        for (int64_t row = task.first_row; row < task.end_row; ++row) {
-          const int32_t src = sources[row];
-          if (src < 0) {
-            std::fill(out + row * h, out + (row + 1) * h, Narrow<T>(A(0)));
-            touched += rb;
-            continue;
-          }
-          const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top;
-          const A w = static_cast<const A*>(s.ptrs[src_rank][kW])[pair];
-          Scale(out + row * h, static_cast<const T*>(s.ptrs[src_rank][kCt]) + token * h, w, h);
-          moved += rb;
-          touched += 2 * rb;
-        }
-        npu = s.devices[task.rank];
-        lane = static_cast<int>(task.chunk % p.cores);
-      } else {
-        const TokenTasks::Task task = token_tasks.at(i - first_token_task);
-        const int32_t* slots = static_cast<const int32_t*>(s.ptrs[task.rank][kPairSlot]);
-        const T* ct = static_cast<const T*>(s.ptrs[task.rank][kCt]);
-        A* dw = static_cast<A*>(s.ptrs[task.rank][kDW]);
-        for (int64_t t = task.first; t < task.end; ++t) {
-          for (int64_t k = 0; k < k_top; ++k) {
-            const int64_t slot = slots[t * k_top + k];
-            if (slot < 0 || slot >= all_slots) {
-              dw[t * k_top + k] = 0;
+    // Two independent task families in one phase: expert rows get the
+    // weighted cotangent of the token that filled them (scatter, like
+    // dispatch); each (token, k) gets its dot product with the expert row.
+    Phase backward;
+    const ExpertTasks rows_tasks(p, rb);
+    const TokenTasks token_tasks(p);
+    const uint64_t first_token_task = rows_tasks.count(n);
+    backward.count = first_token_task + token_tasks.count(n);
+    WithFloatType(p.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      using A = typename AccOf<T>::type;
+      backward.run = [p, rows_tasks, token_tasks, first_token_task, ptrs = s.ptrs,
+                      devices = s.devices, h, k_top, rb, slots_per_rank, all_slots, pairs,
+                      direct](uint64_t i) {
+        int64_t moved = 0, touched = 0;
+        int npu = 0, lane = 0;
+        if (i < first_token_task) {
+          const ExpertTasks::Task task = rows_tasks.at(i);
+          T* out = static_cast<T*>(ptrs[task.rank][kDEy]);
+          const int32_t* sources = static_cast<const int32_t*>(ptrs[task.rank][kSlotSource]);
+          for (int64_t row = task.first_row; row < task.end_row; ++row) {
+            const int32_t src = sources[row];
+            if (src < 0) {
+              std::fill(out + row * h, out + (row + 1) * h, Narrow<T>(A(0)));
+              touched += rb;
               continue;
             }
-            const T* row = static_cast<const T*>(s.ptrs[slot / slots_per_rank][kEy]) +
-                           (slot % slots_per_rank) * h;
-            dw[t * k_top + k] = Dot<T, A>(ct + t * h, row, h);
+            const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top;
+            const A w = static_cast<const A*>(ptrs[src_rank][kW])[pair];
+            Scale(out + row * h, static_cast<const T*>(ptrs[src_rank][kCt]) + token * h, w, h);
             moved += rb;
             touched += 2 * rb;
           }
+          npu = devices[task.rank];
+          lane = static_cast<int>(task.chunk % p.cores);
+        } else {
+          const TokenTasks::Task task = token_tasks.at(i - first_token_task);
+          const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kPairSlot]);
+          const T* ct = static_cast<const T*>(ptrs[task.rank][kCt]);
+          A* dw = static_cast<A*>(ptrs[task.rank][kDW]);
+          for (int64_t t = task.first; t < task.end; ++t) {
+            for (int64_t k = 0; k < k_top; ++k) {
+              const int64_t slot = slots[t * k_top + k];
+              if (slot < 0 || slot >= all_slots) {
+                dw[t * k_top + k] = 0;
+                continue;
+              }
+              const T* row = static_cast<const T*>(ptrs[slot / slots_per_rank][kEy]) +
+                             (slot % slots_per_rank) * h;
+              dw[t * k_top + k] = Dot<T, A>(ct + t * h, row, h);
+              moved += rb;
+              touched += 2 * rb;
+            }
+          }
+          npu = devices[task.rank];
+          lane = static_cast<int>(task.chunk % p.cores);
         }
-        npu = s.devices[task.rank];
-        lane = static_cast<int>(task.chunk % p.cores);
-      }
-      if (touched > 0) stats.AddLaneBytes(false, npu, lane, p.cores, touched);
-      moved_total += moved;
+        Stats& stats = GlobalStats();
+        if (touched > 0) stats.AddLaneBytes(false, npu, lane, p.cores, touched);
+        if (moved > 0) {
+          if (direct) stats.bytes_direct += moved;
+          stats.bytes_exchanged += moved;
+        }
+      };
     });
-  });
-  if (rows.direct()) stats.bytes_direct += moved_total.load();
-  stats.bytes_exchanged += moved_total.load();
-  st = rv.Barrier("combine-backward");
-  if (!st.ok) return rv.Fail(st);
-  rows.StageOut();
-  return Status::Ok();
+    phases.push_back(std::move(backward));
+    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
+    Schedule(std::move(phases), *ranks[0], n, job);
+    return Status::Ok();
+  }, std::move(done));
 }
 
 }  // namespace strata

@@ -2,7 +2,8 @@
 // and the weighted combine back. E experts are spread evenly over the group
 // (rank r owns experts [r*E_local, (r+1)*E_local)); each local expert has
 // `capacity` rows. The layout is computed from every rank's routing when the
-// group meets, and each routed row then moves once, between user buffers.
+// group meets, and each routed row then moves once, between user buffers, as
+// a job of the host worker pool (runtime/executor.h).
 //
 // Layout encodings shared by the ops (all int32):
 //   pair_slot[t*K+k]  (source side) = e*capacity + row, the global slot of
@@ -12,6 +13,7 @@
 //                     that filled that row of local expert l, or -1.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "../runtime/collective.h"
@@ -20,7 +22,7 @@
 
 namespace strata {
 
-// What the op is; identical on every rank (checked at the rendezvous).
+// What the op is; identical on every rank (checked when the group meets).
 struct MoeParams {
   int32_t group_size = 1;
   int32_t num_experts = 1;
@@ -53,22 +55,30 @@ struct MoeCall {
 DType MoeWeightDType(DType rows);
 bool MoeSupportsCombine(DType rows);
 
+// The ops are asynchronous: a call joins its group and returns at once, never
+// waiting for a peer; `done` is called exactly once, when the op has
+// completed on every rank of the group (its outputs are then written), or
+// with the error every rank gets. The caller's buffers must stay valid until
+// then.
+using MoeDone = std::function<void(const Status&)>;
+
 // x [T, H], topk_idx [T, K] -> recv_x [E_local, C, H] (rows past the count
 // zeroed), pair_slot [T, K], slot_source [E_local, C], recv_counts [E_local],
 // dropped (pairs of this rank that found their expert full).
-Status MoeDispatch(const MoeParams& p, const MoeCall& c, const void* x, const int32_t* topk_idx,
-                   void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
-                   int32_t* dropped);
+void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, const int32_t* topk_idx,
+                      void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
+                      int32_t* dropped, MoeDone done);
 
 // y[t] = sum_k weights[t, k] * expert_y[slot of (t, k)], dropped pairs adding 0.
-Status MoeCombine(const MoeParams& p, const MoeCall& c, const void* expert_y, const void* weights,
-                  const int32_t* pair_slot, void* y);
+void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
+                     const void* weights, const int32_t* pair_slot, void* y, MoeDone done);
 
 // The VJP of combine for the cotangent ct_y [T, H]:
 //   d_expert_y[slot] = weights[t, k] * ct_y[t]  (zero rows for empty slots),
 //   d_weights[t, k]  = <ct_y[t], expert_y[slot of (t, k)]>  (0 if dropped).
-Status MoeCombineBackward(const MoeParams& p, const MoeCall& c, const void* ct_y,
-                          const void* expert_y, const void* weights, const int32_t* pair_slot,
-                          const int32_t* slot_source, void* d_expert_y, void* d_weights);
+void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* ct_y,
+                             const void* expert_y, const void* weights, const int32_t* pair_slot,
+                             const int32_t* slot_source, void* d_expert_y, void* d_weights,
+                             MoeDone done);
 
 }  // namespace strata

@@ -1,9 +1,20 @@
 // FFI handlers of MoE dispatch/combine: decode shapes and attributes, check
-// them, hand the call to the runtime (algorithms/moe.h).
+// them, hand the call to the runtime (algorithms/moe.h). Asynchronous, like
+// the collectives' handlers: each joins its group and returns a future at
+// once, so it never holds one of XLA's threads while peers are on their way
+// (held threads starve the computations those peers must finish first).
 #include "moe_handlers.h"
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include "../algorithms/moe.h"
 #include "xla/ffi/api/ffi.h"
@@ -33,15 +44,25 @@ ffi::DataType WeightType(DType rows) {
   return MoeWeightDType(rows) == DType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
 }
 
+ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(std::move(error));
+  return future;
+}
+
 ffi::Error Invalid(const char* op, const std::string& why) {
   return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(op) + ": " + why);
 }
 
 // XLA:CPU deadlocks itself when its client pool has fewer than two threads
-// per device (a blocked launch holds the threads a running op needs).
+// per device (a blocked launch holds the threads a running op needs). The
+// pool size the FFI reports saturates at 256, so beyond 128 devices this
+// check can only see that much (as for the collectives' handlers).
 std::optional<ffi::Error> CheckPool(const char* op, ffi::ThreadPool pool, int32_t num_devices) {
+  constexpr int64_t kReportedPoolCap = 256;
   const int64_t threads = pool.num_threads();
-  if (threads >= 2 * static_cast<int64_t>(num_devices)) return std::nullopt;
+  if (threads >= std::min(2 * static_cast<int64_t>(num_devices), kReportedPoolCap)) return std::nullopt;
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                     std::string(op) + ": XLA:CPU's client thread pool has " +
                         std::to_string(threads) + " threads, but a program on " +
@@ -78,14 +99,19 @@ MoeCall MakeCall(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32> meta, int
   return c;
 }
 
-ffi::Error ToFfi(const Status& st) {
-  return st.ok ? ffi::Error::Success() : ffi::Error(ffi::ErrorCode::kAborted, st.message);
+// The completion the runtime calls (once) to fulfil a handler's future.
+MoeDone Fulfil(ffi::Promise promise) {
+  // The runtime calls it on a completion thread of its own (executor.h).
+  return [promise = std::move(promise)](const Status& st) mutable {
+    if (st.ok) promise.SetAvailable();
+    else promise.SetError(ffi::Error(ffi::ErrorCode::kAborted, st.message));
+  };
 }
 
 constexpr const char* kDispatch = "strata.moe.dispatch";
 constexpr const char* kCombine = "strata.moe.combine";
 
-ffi::Error DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
+ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> meta,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::Buffer<ffi::S32>> pair_slot,
                         ffi::Result<ffi::Buffer<ffi::S32>> slot_source,
@@ -94,17 +120,17 @@ ffi::Error DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ff
                         int32_t group_size, int32_t num_devices, int32_t num_experts,
                         int64_t capacity, int32_t cores, int32_t engines, int32_t mode,
                         int64_t comm_buffer_bytes, int64_t timeout_ms) {
-  if (auto err = CheckPool(kDispatch, pool, num_devices)) return *err;
+  if (auto err = CheckPool(kDispatch, pool, num_devices)) return Failed(std::move(*err));
   std::optional<DType> dtype = RowDType(x.element_type());
-  if (!dtype) return Invalid(kDispatch, "unsupported token dtype");
-  if (meta.element_count() != 2) return Invalid(kDispatch, "rank operand must hold (rank, group)");
+  if (!dtype) return Failed(Invalid(kDispatch, "unsupported token dtype"));
+  if (meta.element_count() != 2) return Failed(Invalid(kDispatch, "rank operand must hold (rank, group)"));
   if (group_size < 1 || num_experts < 1 || num_experts % group_size != 0)
-    return Invalid(kDispatch, "num_experts must be a positive multiple of the group size");
+    return Failed(Invalid(kDispatch, "num_experts must be a positive multiple of the group size"));
   auto xd = x.dimensions();
   auto id = topk_idx.dimensions();
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0])
-    return Invalid(kDispatch, "x must be [T, H] and topk_idx [T, K], got " + Shape(xd) + " and " +
-                                  Shape(id));
+    return Failed(Invalid(kDispatch, "x must be [T, H] and topk_idx [T, K], got " + Shape(xd) +
+                                         " and " + Shape(id)));
   MoeParams p;
   p.group_size = group_size;
   p.num_experts = num_experts;
@@ -123,11 +149,14 @@ ffi::Error DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ff
       !HasDims(pair_slot->dimensions(), {p.tokens, p.topk}) ||
       !HasDims(slot_source->dimensions(), {el, capacity}) ||
       !HasDims(recv_counts->dimensions(), {el}) || dropped->element_count() != 1)
-    return Invalid(kDispatch, "result shapes do not match the operands");
-  return ToFfi(MoeDispatch(p, MakeCall(device, run, meta, site_id, timeout_ms), x.untyped_data(),
-                           topk_idx.typed_data(), recv_x->untyped_data(), pair_slot->typed_data(),
-                           slot_source->typed_data(), recv_counts->typed_data(),
-                           dropped->typed_data()));
+    return Failed(Invalid(kDispatch, "result shapes do not match the operands"));
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  MoeDispatchAsync(p, MakeCall(device, run, meta, site_id, timeout_ms), x.untyped_data(),
+                   topk_idx.typed_data(), recv_x->untyped_data(), pair_slot->typed_data(),
+                   slot_source->typed_data(), recv_counts->typed_data(), dropped->typed_data(),
+                   Fulfil(promise));
+  return future;
 }
 
 // Fills the params a combine-family call shares, from expert_y [E_local, C, H]
@@ -163,25 +192,28 @@ std::optional<ffi::Error> CombineParams(const char* op, ffi::AnyBuffer expert_y,
   return std::nullopt;
 }
 
-ffi::Error CombineImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
+ffi::Future CombineImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                        ffi::AnyBuffer expert_y, ffi::AnyBuffer weights,
                        ffi::Buffer<ffi::S32> pair_slot, ffi::Buffer<ffi::S32> meta,
                        ffi::Result<ffi::AnyBuffer> y, int64_t site_id, int32_t group_size,
                        int32_t num_devices, int32_t cores, int32_t engines, int32_t mode,
                         int64_t comm_buffer_bytes, int64_t timeout_ms) {
-  if (auto err = CheckPool(kCombine, pool, num_devices)) return *err;
+  if (auto err = CheckPool(kCombine, pool, num_devices)) return Failed(std::move(*err));
   MoeParams p;
   if (auto err = CombineParams(kCombine, expert_y, weights, pair_slot, meta, group_size, cores,
                                engines, mode, comm_buffer_bytes, &p))
-    return *err;
+    return Failed(std::move(*err));
   if (y->element_type() != expert_y.element_type() || !HasDims(y->dimensions(), {p.tokens, p.hidden}))
-    return Invalid(kCombine, "y must be [T, H] of expert_y's dtype");
-  return ToFfi(MoeCombine(p, MakeCall(device, run, meta, site_id, timeout_ms),
-                          expert_y.untyped_data(), weights.untyped_data(), pair_slot.typed_data(),
-                          y->untyped_data()));
+    return Failed(Invalid(kCombine, "y must be [T, H] of expert_y's dtype"));
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  MoeCombineAsync(p, MakeCall(device, run, meta, site_id, timeout_ms), expert_y.untyped_data(),
+                  weights.untyped_data(), pair_slot.typed_data(), y->untyped_data(),
+                  Fulfil(promise));
+  return future;
 }
 
-ffi::Error CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
+ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                                ffi::AnyBuffer ct_y, ffi::AnyBuffer expert_y, ffi::AnyBuffer weights,
                                ffi::Buffer<ffi::S32> pair_slot, ffi::Buffer<ffi::S32> slot_source,
                                ffi::Buffer<ffi::S32> meta, ffi::Result<ffi::AnyBuffer> d_expert_y,
@@ -189,11 +221,11 @@ ffi::Error CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool p
                                int32_t group_size, int32_t num_devices, int32_t cores,
                                int32_t engines, int32_t mode, int64_t comm_buffer_bytes,
                                int64_t timeout_ms) {
-  if (auto err = CheckPool(kCombine, pool, num_devices)) return *err;
+  if (auto err = CheckPool(kCombine, pool, num_devices)) return Failed(std::move(*err));
   MoeParams p;
   if (auto err = CombineParams(kCombine, expert_y, weights, pair_slot, meta, group_size, cores,
                                engines, mode, comm_buffer_bytes, &p))
-    return *err;
+    return Failed(std::move(*err));
   const int64_t el = p.local_experts();
   if (ct_y.element_type() != expert_y.element_type() ||
       !HasDims(ct_y.dimensions(), {p.tokens, p.hidden}) ||
@@ -202,12 +234,14 @@ ffi::Error CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool p
       !HasDims(d_expert_y->dimensions(), {el, p.capacity, p.hidden}) ||
       d_weights->element_type() != weights.element_type() ||
       !HasDims(d_weights->dimensions(), {p.tokens, p.topk}))
-    return Invalid(kCombine, "backward operand shapes do not match");
-  return ToFfi(MoeCombineBackward(p, MakeCall(device, run, meta, site_id, timeout_ms),
-                                  ct_y.untyped_data(), expert_y.untyped_data(),
-                                  weights.untyped_data(), pair_slot.typed_data(),
-                                  slot_source.typed_data(), d_expert_y->untyped_data(),
-                                  d_weights->untyped_data()));
+    return Failed(Invalid(kCombine, "backward operand shapes do not match"));
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  MoeCombineBackwardAsync(p, MakeCall(device, run, meta, site_id, timeout_ms),
+                          ct_y.untyped_data(), expert_y.untyped_data(), weights.untyped_data(),
+                          pair_slot.typed_data(), slot_source.typed_data(),
+                          d_expert_y->untyped_data(), d_weights->untyped_data(), Fulfil(promise));
+  return future;
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // The entry point every FFI handler calls: one rank's part of one collective.
-// It meets the group's other ranks (rendezvous), validates that they all
-// asked for the same op, and executes the op's plan cooperatively on the
-// group's handler threads, in "strata" (direct user-buffer) or
+// It joins the group's other ranks (rendezvous) without waiting; the last to
+// arrive checks they all asked for the same op and hands the op's plan to the
+// host workers (executor.h) as a job, in "strata" (direct user-buffer) or
 // "buffer_centric" (staged through pre-registered comm buffers) mode.
 #pragma once
 #include <cstdint>

@@ -1,6 +1,7 @@
 #include "executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -108,7 +109,47 @@ Executor& Global() {
   return *e;
 }
 
+// Unbounded on purpose: a bounded pool deadlocks the same way one thread does.
+class CompletionThreads {
+ public:
+  void Post(std::function<void()> fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(fn));
+    if (queue_.size() > idle_) {
+      std::thread([this] { Loop(); }).detach();
+    } else {
+      cv_.notify_one();
+    }
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      idle_++;
+      const bool got = cv_.wait_for(lock, std::chrono::seconds(30), [&] { return !queue_.empty(); });
+      idle_--;
+      if (!got) return;
+      std::function<void()> fn = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      fn();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  size_t idle_ = 0;
+};
+
 }  // namespace
+
+void Complete(std::function<void()> fn) {
+  static CompletionThreads* threads = new CompletionThreads();  // threads are detached
+  threads->Post(std::move(fn));
+}
 
 void Submit(std::shared_ptr<Job> job) { Global().Submit(std::move(job)); }
 

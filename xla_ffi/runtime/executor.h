@@ -36,4 +36,12 @@ void Submit(std::shared_ptr<Job> job);
 // Runs `job` to completion on the calling thread (tiny jobs, tests).
 void RunInline(Job& job);
 
+// Runs `fn` on a completion thread of its own. Fulfilling an XLA future runs
+// the rest of that rank's program on the fulfilling thread; if one thread
+// fulfilled every rank in turn, a rank that reaches XLA's own collective
+// (lax.psum) would wait there for ranks still queued behind it on the same
+// thread. So each completion gets a thread: idle ones are reused, a new one
+// starts when none is free, and they exit after 30 s without work.
+void Complete(std::function<void()> fn);
+
 }  // namespace strata

@@ -3,15 +3,12 @@
 // counts how often each rank has run the site in this run, so loop trips get
 // their own slots, and a failed run never poisons the next (new run id).
 //
-// Use: construct a Rendezvous per rank call, Arrive() with the pointers this
-// rank publishes and a signature every rank must agree on, run the op
-// (peers' pointers are in slot().ptrs), Barrier() between phases. The
-// destructor leaves the slot; a failure aborts it so every waiting peer
-// returns the same error instead of hanging.
+// Use: JoinAsync() with the pointers this rank publishes and a signature
+// every rank must agree on; it returns at once. The last rank to arrive turns
+// the op into a job (peers' pointers are in slot.ptrs), and the job's end, or
+// a failure, completes every rank. Nothing ever waits for a peer.
 #pragma once
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -40,10 +37,7 @@ struct Slot {
 
   const int n;
   std::mutex mu;
-  std::condition_variable cv;
   int arrived = 0;
-  int inside = 0;
-  int left = 0;
   std::vector<char> present;
   std::vector<std::vector<void*>> ptrs;  // what each rank published
   std::vector<int32_t> devices;
@@ -52,18 +46,7 @@ struct Slot {
   std::string error;
   std::chrono::steady_clock::time_point aborted_at;
 
-  // Whatever the last arriver set up for everyone (a plan, a layout).
-  std::shared_ptr<void> shared;
-  // Shared cursor for cooperative task loops, and how many threads have
-  // joined the loop; both reset at every barrier.
-  std::atomic<uint32_t> next_task{0};
-  std::atomic<int> workers{0};
-
-  int phase_count = 0;
-  int64_t phase_gen = 0;
-
-  // Non-blocking joins (JoinAsync): each rank's completion, and when the
-  // group must be complete by.
+  // Each rank's completion, and when the group must be complete by.
   std::vector<std::function<void(const Status&)>> completions;
   std::chrono::steady_clock::time_point deadline;
   double timeout_s = 0;
@@ -86,45 +69,7 @@ using Starter = std::function<Status(Slot& slot, std::shared_ptr<Job>* job)>;
 void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string signature,
                Completion done, const Starter& start);
 
-class Rendezvous {
- public:
-  explicit Rendezvous(const Participant& who);
-  ~Rendezvous();
-  Rendezvous(const Rendezvous&) = delete;
-  Rendezvous& operator=(const Rendezvous&) = delete;
-
-  // Publishes `ptrs` and waits for the whole group. The last rank to arrive
-  // checks that all signatures match, then runs `on_all_arrived` (under the
-  // slot's lock) before waking the others.
-  Status Arrive(std::vector<void*> ptrs, std::string signature,
-                const std::function<Status(Slot&)>& on_all_arrived = nullptr);
-  // Every rank of the group reaches this point before any goes on.
-  Status Barrier(const char* phase);
-  // Records a failure: peers waiting anywhere in this slot wake with it.
-  Status Fail(const Status& st);
-
-  Slot& slot() { return *slot_; }
-  const Participant& who() const { return who_; }
-  // "strata.op (call site S, group G, rank R of N, device D): "
-  std::string Prefix() const;
-
- private:
-  Participant who_;
-  std::shared_ptr<Slot> slot_;
-  std::chrono::steady_clock::time_point Deadline() const;
-};
-
 // Live (not aborted) slots: 0 once every op has finished.
 int64_t LiveSlotCount();
-
-// The cooperative task loop every op uses: the first HostWorkers() threads of
-// the group to get here pull task indices from the slot's cursor until none
-// are left, whichever rank's work they are; the rest go straight on to the
-// next barrier (which resets the cursor).
-template <typename Fn>
-void RunShared(Slot& s, uint64_t total, Fn&& fn) {
-  if (s.workers.fetch_add(1) >= HostWorkers()) return;
-  for (uint64_t i = s.next_task.fetch_add(1); i < total; i = s.next_task.fetch_add(1)) fn(i);
-}
 
 }  // namespace strata

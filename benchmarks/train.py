@@ -4,8 +4,8 @@ The block (attention-free): out = (x + MoE(LayerNorm(x))) @ proj, loss = mean((o
 The MoE FFN is expert parallel over a 1-D "expert" mesh: the router, layernorm and proj are
 replicated (data parallel: their gradients are averaged with one bucketed all_reduce), the
 experts are sharded (tokens reach them with all_to_all). The step (forward, backward, SGD) is
-written once and takes a collectives backend: jax.lax's or strata's. With --strata-moe the strata
-backend also uses strata.moe.dispatch/combine instead of the reference built from collectives.
+written once and takes a collectives backend: jax.lax's or strata's. The strata backend also uses
+strata.moe.dispatch/combine (--no-strata-moe: the reference dispatch built from strata collectives).
 
 Timing: every variant is compiled first; then --repeats rounds, each timing every variant in
 turn (-w warm-up steps, then -n chained steps with params donated and fed back); the step time
@@ -114,8 +114,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="compare one strata step with the lax step")
     p.add_argument("--mode", default="strata", help="strata, buffer_centric, or all")
     p.add_argument("--impl", default="all", help="strata, lax, or all")
-    p.add_argument("--strata-moe", action="store_true",
-                   help="strata backend uses strata.moe.dispatch/combine")
+    p.add_argument("--strata-moe", action=argparse.BooleanOptionalAction, default=True,
+                   help="the strata backend uses strata.moe.dispatch/combine, as a strata user "
+                        "would (default); --no-strata-moe builds them from strata collectives")
     p.add_argument("--seed", type=int, default=0)
     common.add_timing_args(p, 3, "interleaved timing rounds over the variants; the median "
                                  "round is reported (3)")

@@ -8,6 +8,7 @@
 
 #include "../algorithms/algorithms.h"
 #include "../runtime/collective.h"
+#include "ffi_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -15,36 +16,19 @@ namespace ffi = xla::ffi;
 namespace strata {
 namespace {
 
-std::optional<DType> ToDType(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return DType::F32;
-    case ffi::DataType::F64: return DType::F64;
-    case ffi::DataType::F16: return DType::F16;
-    case ffi::DataType::BF16: return DType::BF16;
-    case ffi::DataType::S8: return DType::S8;
-    case ffi::DataType::S32: return DType::S32;
-    case ffi::DataType::S64: return DType::S64;
-    case ffi::DataType::U8: return DType::U8;
-    case ffi::DataType::U32: return DType::U32;
-    case ffi::DataType::PRED: return DType::PRED;
-    default: return std::nullopt;
-  }
-}
-
-ffi::Future Failed(ffi::ErrorCode code, std::string why) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetError(ffi::Error(code, std::move(why)));
-  return future;
-}
+using ffi_common::CheckPool;
+using ffi_common::Failed;
+using ffi_common::ToDType;
 
 ffi::Future Invalid(OpKind kind, const std::string& why) {
-  return Failed(ffi::ErrorCode::kInvalidArgument, std::string(OpName(kind)) + ": " + why);
+  return Failed(ffi_common::Invalid(OpName(kind), why));
 }
 
-// Asynchronous: the handler joins its group and returns a future at once, so
-// it never holds one of XLA's threads while peers are still on their way
-// (held threads starve the computations those peers must finish first).
+// Asynchronous: the handler joins its group and returns a future, so it never
+// holds one of XLA's threads for long while peers are still on their way
+// (held threads starve the computations those peers must finish first). It
+// waits up to kBriefWaitUs for a quick op to finish, to skip the hand-off.
+constexpr int64_t kBriefWaitUs = 500;
 template <OpKind kKind>
 ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                           ffi::AnyBuffer x, ffi::Buffer<ffi::S32> meta,
@@ -53,24 +37,7 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                           int32_t num_devices, int64_t block_bytes, int32_t mode, int32_t cores,
                           int32_t engines, int32_t planner, int64_t comm_buffer_bytes,
                           int64_t timeout_ms) {
-  // XLA:CPU deadlocks itself when its client pool has fewer than two threads
-  // per device (a blocked launch holds the threads a running collective
-  // needs); refuse before we could be part of that. The pool size the FFI
-  // reports saturates at 256, so beyond 128 devices this check can only see
-  // that much; the Python layer sizes the real pool (PJRT_NPROC) regardless.
-  constexpr int64_t kReportedPoolCap = 256;
-  const int64_t threads = pool.num_threads();
-  const int64_t needed = 2 * static_cast<int64_t>(num_devices);
-  if (threads < std::min(needed, kReportedPoolCap)) {
-    return Failed(
-        ffi::ErrorCode::kFailedPrecondition,
-        std::string(OpName(kKind)) + ": XLA:CPU's client thread pool has " +
-            std::to_string(threads) + " threads, but a program on " +
-            std::to_string(num_devices) + " devices needs at least " + std::to_string(needed) +
-            " or XLA can hang. Set PJRT_NPROC=" + std::to_string(needed) +
-            " (or more) before JAX starts; importing stratacl_jax before the first JAX "
-            "computation does this for you.");
-  }
+  if (auto err = CheckPool(OpName(kKind), pool, num_devices)) return Failed(std::move(*err));
   std::optional<DType> dtype = ToDType(x.element_type());
   if (!dtype) return Invalid(kKind, "unsupported element type");
   if (x.element_type() != out->element_type()) return Invalid(kKind, "input and output dtypes differ");
@@ -100,12 +67,7 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
     return Invalid(kKind, "buffer sizes " + std::to_string(in_bytes) + " -> " +
                               std::to_string(out_bytes) + " do not fit block_bytes " +
                               std::to_string(block_bytes));
-  if (in_row == 0) {  // nothing to move on any rank
-    ffi::Promise promise;
-    ffi::Future future(promise);
-    promise.SetAvailable();
-    return future;
-  }
+  if (in_row == 0) return ffi_common::Ready();  // nothing to move on any rank
 
   RankCall c;
   c.run_id = run.run_id;
@@ -116,16 +78,9 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   c.in = x.untyped_data();
   c.out = out->untyped_data();
   c.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  RunCollectiveAsync(p, c, [promise](const Status& st) mutable {
-    if (st.ok) {
-      promise.SetAvailable();
-    } else {
-      promise.SetError(ffi::Error(ffi::ErrorCode::kAborted, st.message));
-    }
-  });
-  return future;
+  ffi_common::BriefWait wait{std::chrono::microseconds{kBriefWaitUs}};
+  RunCollectiveAsync(p, c, wait.Completion());
+  return wait.Wait();
 }
 
 }  // namespace

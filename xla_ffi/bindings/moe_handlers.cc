@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "../algorithms/moe.h"
+#include "ffi_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -24,54 +25,15 @@ namespace ffi = xla::ffi;
 namespace strata {
 namespace {
 
-std::optional<DType> RowDType(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return DType::F32;
-    case ffi::DataType::F64: return DType::F64;
-    case ffi::DataType::F16: return DType::F16;
-    case ffi::DataType::BF16: return DType::BF16;
-    case ffi::DataType::S8: return DType::S8;
-    case ffi::DataType::S32: return DType::S32;
-    case ffi::DataType::S64: return DType::S64;
-    case ffi::DataType::U8: return DType::U8;
-    case ffi::DataType::U32: return DType::U32;
-    case ffi::DataType::PRED: return DType::PRED;
-    default: return std::nullopt;
-  }
-}
+using ffi_common::ToDType;
 
 ffi::DataType WeightType(DType rows) {
   return MoeWeightDType(rows) == DType::F64 ? ffi::DataType::F64 : ffi::DataType::F32;
 }
 
-ffi::Future Failed(ffi::Error error) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetError(std::move(error));
-  return future;
-}
-
-ffi::Error Invalid(const char* op, const std::string& why) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(op) + ": " + why);
-}
-
-// XLA:CPU deadlocks itself when its client pool has fewer than two threads
-// per device (a blocked launch holds the threads a running op needs). The
-// pool size the FFI reports saturates at 256, so beyond 128 devices this
-// check can only see that much (as for the collectives' handlers).
-std::optional<ffi::Error> CheckPool(const char* op, ffi::ThreadPool pool, int32_t num_devices) {
-  constexpr int64_t kReportedPoolCap = 256;
-  const int64_t threads = pool.num_threads();
-  if (threads >= std::min(2 * static_cast<int64_t>(num_devices), kReportedPoolCap)) return std::nullopt;
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    std::string(op) + ": XLA:CPU's client thread pool has " +
-                        std::to_string(threads) + " threads, but a program on " +
-                        std::to_string(num_devices) + " devices needs at least " +
-                        std::to_string(2 * num_devices) + " or XLA can hang. Set PJRT_NPROC=" +
-                        std::to_string(2 * num_devices) +
-                        " (or more) before JAX starts; importing stratacl_jax before the first "
-                        "JAX computation does this for you.");
-}
+using ffi_common::CheckPool;
+using ffi_common::Failed;
+using ffi_common::Invalid;
 
 bool HasDims(ffi::AnyBuffer::Dimensions d, std::initializer_list<int64_t> want) {
   if (d.size() != want.size()) return false;
@@ -99,14 +61,7 @@ MoeCall MakeCall(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32> meta, int
   return c;
 }
 
-// The completion the runtime calls (once) to fulfil a handler's future.
-MoeDone Fulfil(ffi::Promise promise) {
-  // The runtime calls it on a completion thread of its own (executor.h).
-  return [promise = std::move(promise)](const Status& st) mutable {
-    if (st.ok) promise.SetAvailable();
-    else promise.SetError(ffi::Error(ffi::ErrorCode::kAborted, st.message));
-  };
-}
+MoeDone Fulfil(ffi::Promise promise) { return ffi_common::Settle(std::move(promise)); }
 
 constexpr const char* kDispatch = "strata.moe.dispatch";
 constexpr const char* kCombine = "strata.moe.combine";
@@ -121,7 +76,7 @@ ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, f
                         int64_t capacity, int32_t cores, int32_t engines, int32_t mode,
                         int64_t comm_buffer_bytes, int64_t timeout_ms) {
   if (auto err = CheckPool(kDispatch, pool, num_devices)) return Failed(std::move(*err));
-  std::optional<DType> dtype = RowDType(x.element_type());
+  std::optional<DType> dtype = ToDType(x.element_type());
   if (!dtype) return Failed(Invalid(kDispatch, "unsupported token dtype"));
   if (meta.element_count() != 2) return Failed(Invalid(kDispatch, "rank operand must hold (rank, group)"));
   if (group_size < 1 || num_experts < 1 || num_experts % group_size != 0)
@@ -166,7 +121,7 @@ std::optional<ffi::Error> CombineParams(const char* op, ffi::AnyBuffer expert_y,
                                         ffi::Buffer<ffi::S32> meta, int32_t group_size,
                                         int32_t cores, int32_t engines, int32_t mode,
                                         int64_t comm_buffer_bytes, MoeParams* p) {
-  std::optional<DType> dtype = RowDType(expert_y.element_type());
+  std::optional<DType> dtype = ToDType(expert_y.element_type());
   if (!dtype || !MoeSupportsCombine(*dtype))
     return Invalid(op, "expert rows must be float32, float64, float16 or bfloat16");
   if (meta.element_count() != 2) return Invalid(op, "rank operand must hold (rank, group)");

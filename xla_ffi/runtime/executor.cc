@@ -41,18 +41,24 @@ class Executor {
     for (int i = 0; i < HostWorkers(); ++i) std::thread([this] { WorkerLoop(); }).detach();
   }
 
-  void Submit(std::shared_ptr<Job> job) {
+  void Submit(std::shared_ptr<Job> job, bool help) {
     auto r = std::make_shared<Running>();
     r->job = std::move(job);
     if (SettlePhase(*r)) {
       if (r->job->on_done) r->job->on_done();
       return;
     }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(r));
-    }
+    std::unique_lock<std::mutex> lock(mu_);
+    queue_.push_back(r);
     cv_.notify_all();
+    if (!help) return;
+    // The submitting thread works on its own job until nothing is left to
+    // claim: it is busy, never waiting, and the op needs one wake-up fewer.
+    while (r->phase < r->job->phases.size() && r->next < r->job->phases[r->phase].count) {
+      const size_t phase = r->phase;
+      const uint64_t index = r->next++;
+      RunClaimed(lock, r, phase, index);
+    }
   }
 
  private:
@@ -71,6 +77,26 @@ class Executor {
     return false;
   }
 
+  // Runs a claimed task (lock released meanwhile); whoever finishes a phase's
+  // last task opens the next phase or finishes the job.
+  void RunClaimed(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Running>& r,
+                  size_t phase, uint64_t index) {
+    lock.unlock();
+    r->job->phases[phase].run(index);
+    lock.lock();
+    if (++r->done < r->job->phases[phase].count) return;
+    r->phase++;
+    r->next = r->done = 0;
+    if (!SettlePhase(*r)) {
+      cv_.notify_all();
+      return;
+    }
+    queue_.erase(std::find(queue_.begin(), queue_.end(), r));
+    lock.unlock();
+    if (r->job->on_done) r->job->on_done();
+    lock.lock();
+  }
+
   void WorkerLoop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
@@ -81,21 +107,7 @@ class Executor {
         cv_.wait(lock);
         continue;
       }
-      lock.unlock();
-      r->job->phases[phase].run(index);
-      lock.lock();
-      if (++r->done < r->job->phases[phase].count) continue;
-      // Last task of the phase: open the next one, or finish the job.
-      r->phase++;
-      r->next = r->done = 0;
-      if (!SettlePhase(*r)) {
-        cv_.notify_all();
-        continue;
-      }
-      queue_.erase(std::find(queue_.begin(), queue_.end(), r));
-      lock.unlock();
-      if (r->job->on_done) r->job->on_done();
-      lock.lock();
+      RunClaimed(lock, r, phase, index);
     }
   }
 
@@ -151,7 +163,7 @@ void Complete(std::function<void()> fn) {
   threads->Post(std::move(fn));
 }
 
-void Submit(std::shared_ptr<Job> job) { Global().Submit(std::move(job)); }
+void Submit(std::shared_ptr<Job> job, bool help) { Global().Submit(std::move(job), help); }
 
 void RunInline(Job& job) {
   for (const Phase& p : job.phases)

@@ -29,9 +29,11 @@ struct Job {
 
 int HostWorkers();
 
-// Queues `job`; it runs on the host workers. A job without tasks completes
-// at once, on the calling thread.
-void Submit(std::shared_ptr<Job> job);
+// Queues `job`; it runs on the host workers. With `help`, the calling thread
+// also runs the job's tasks until none is left to claim (it never waits for
+// tasks others are running). A job without tasks completes at once, on the
+// calling thread.
+void Submit(std::shared_ptr<Job> job, bool help = false);
 
 // Runs `job` to completion on the calling thread (tiny jobs, tests).
 void RunInline(Job& job);

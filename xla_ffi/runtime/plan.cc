@@ -32,16 +32,20 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
   const int64_t esize = static_cast<int64_t>(DTypeSize(plan.dtype));
   align = std::max<int64_t>(align / esize * esize, esize);
 
-  // 1. Each transfer's columns are shared evenly by its destination ranks.
+  // 1. Each transfer's columns are shared evenly by its destination ranks,
+  // in shares of at least kMinShareBytes: a block too small to split N ways
+  // (a 4 KB all_gather over 384 ranks) goes to fewer ranks, rotating with
+  // the transfer so every rank still gets its turn.
+  constexpr int64_t kMinShareBytes = 4096;
   std::vector<std::vector<Piece>> by_npu(n);
   for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti) {
     const Transfer& t = plan.transfers[ti];
-    const int64_t shares = t.dst_count;
-    for (int64_t s = 0; s < shares; ++s) {
+    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, m / kMinShareBytes));
+    for (int64_t s = 0; s < shares && t.dst_count > 0; ++s) {
       int64_t c0 = std::min(m, AlignDown(m * s / shares, align));
       int64_t c1 = s + 1 == shares ? m : std::min(m, AlignDown(m * (s + 1) / shares, align));
       if (c1 <= c0) continue;
-      int32_t npu = plan.refs[t.dst_begin + s].rank;
+      int32_t npu = plan.refs[t.dst_begin + (s + ti) % t.dst_count].rank;
       by_npu[npu].push_back({ti, npu, c0, c1});
     }
   }

@@ -94,9 +94,10 @@ std::vector<Completion> AbortAsyncLocked(Slot& s, const std::string& why) {
   return out;
 }
 
-// Every rank's completion on a completion thread of its own (see Complete).
+// Completions are cheap by contract: one that resumes an XLA program must
+// move to a thread of its own first (see Complete in executor.h).
 void Finish(std::vector<Completion> completions, const Status& st) {
-  for (auto& c : completions) Complete([c = std::move(c), st] { c(st); });
+  for (auto& c : completions) c(st);
 }
 
 void WatchdogLoop() {
@@ -231,7 +232,9 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string sign
     EraseSlot(slot.get());
     Finish(std::move(completions), Status::Ok());
   };
-  Submit(std::move(job));
+  // The last rank in is an XLA thread with nothing else to do for this op:
+  // it works on the job rather than waking another worker for its share.
+  Submit(std::move(job), /*help=*/true);
 }
 
 int64_t LiveSlotCount() {

@@ -62,7 +62,9 @@ using Completion = std::function<void(const Status&)>;
 using Starter = std::function<Status(Slot& slot, std::shared_ptr<Job>* job)>;
 
 // Joins `who`'s group for one op without blocking the caller. Publishes
-// `ptrs` and `signature`; `done` is called exactly once: after the op ran,
+// `ptrs` and `signature`; `done` is called exactly once (it must not block:
+// resuming an XLA program belongs on a thread of its own, see Complete):
+// after the op ran,
 // or with the error (ranks disagree, a peer never arrived within
 // who.timeout_s, the starter failed). A watchdog thread enforces timeouts,
 // so no thread ever waits for a peer.

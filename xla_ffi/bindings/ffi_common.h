@@ -1,0 +1,138 @@
+// What every FFI handler shares: dtype decoding, futures that are already
+// settled, and the refusal to run on a thread pool too small for XLA:CPU.
+#pragma once
+#include <algorithm>
+#include <optional>
+#include <string>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include "../runtime/dtypes.h"
+#include "../runtime/executor.h"
+#include "../runtime/status.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace strata::ffi_common {
+
+namespace ffi = xla::ffi;
+
+inline std::optional<DType> ToDType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return DType::F32;
+    case ffi::DataType::F64: return DType::F64;
+    case ffi::DataType::F16: return DType::F16;
+    case ffi::DataType::BF16: return DType::BF16;
+    case ffi::DataType::S8: return DType::S8;
+    case ffi::DataType::S32: return DType::S32;
+    case ffi::DataType::S64: return DType::S64;
+    case ffi::DataType::U8: return DType::U8;
+    case ffi::DataType::U32: return DType::U32;
+    case ffi::DataType::PRED: return DType::PRED;
+    default: return std::nullopt;
+  }
+}
+
+inline ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(std::move(error));
+  return future;
+}
+
+inline ffi::Future Ready() {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetAvailable();
+  return future;
+}
+
+inline ffi::Error Invalid(const char* op, const std::string& why) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::string(op) + ": " + why);
+}
+
+inline void SettleNow(ffi::Promise& promise, const Status& st) {
+  if (st.ok) {
+    promise.SetAvailable();
+  } else {
+    promise.SetError(ffi::Error(ffi::ErrorCode::kAborted, st.message));
+  }
+}
+
+// The completion the runtime calls once to settle a handler's future: on a
+// completion thread of its own, since settling resumes the rank's program.
+inline auto Settle(ffi::Promise promise) {
+  return [promise = std::move(promise)](const Status& st) mutable {
+    Complete([promise, st]() mutable { SettleNow(promise, st); });
+  };
+}
+
+// A handler that has just joined its group waits a short, bounded while for
+// the op to finish: a quick op then returns a settled future and its rank
+// goes on on its own thread, with no hand-off. Past the bound the handler
+// returns the pending future and frees its thread, so a slow peer can never
+// starve XLA of threads.
+class BriefWait {
+ public:
+  explicit BriefWait(std::chrono::microseconds bound) : bound_(bound), state_(std::make_shared<State>()) {}
+
+  std::function<void(const Status&)> Completion() {
+    return [state = state_](const Status& st) {
+      std::unique_lock<std::mutex> lock(state->mu);
+      if (!state->detached) {
+        state->status = st;
+        state->done = true;
+        state->cv.notify_one();
+        return;
+      }
+      lock.unlock();
+      Complete([state, st]() mutable { SettleNow(state->promise, st); });
+    };
+  }
+
+  ffi::Future Wait() {
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->cv.wait_for(lock, bound_, [&] { return state_->done; });
+    if (state_->done) {
+      if (state_->status.ok) return Ready();
+      return Failed(ffi::Error(ffi::ErrorCode::kAborted, state_->status.message));
+    }
+    state_->detached = true;
+    return ffi::Future(state_->promise);
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false, detached = false;
+    Status status;
+    ffi::Promise promise;
+  };
+  std::chrono::microseconds bound_;
+  std::shared_ptr<State> state_;
+};
+
+// XLA:CPU deadlocks itself when its client pool has fewer than two threads
+// per device (a blocked launch holds the threads a running collective needs);
+// refuse before we could be part of that. The pool size the FFI reports
+// saturates at 256, so beyond 128 devices this check can only see that much;
+// the Python layer sizes the real pool (PJRT_NPROC) regardless.
+inline std::optional<ffi::Error> CheckPool(const char* op, ffi::ThreadPool& pool, int32_t num_devices) {
+  constexpr int64_t kReportedPoolCap = 256;
+  const int64_t threads = pool.num_threads();
+  const int64_t needed = 2 * static_cast<int64_t>(num_devices);
+  if (threads >= std::min(needed, kReportedPoolCap)) return std::nullopt;
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string(op) + ": XLA:CPU's client thread pool has " + std::to_string(threads) +
+                        " threads, but a program on " + std::to_string(num_devices) +
+                        " devices needs at least " + std::to_string(needed) +
+                        " or XLA can hang. Set PJRT_NPROC=" + std::to_string(needed) +
+                        " (or more) before JAX starts; importing stratacl_jax before the first "
+                        "JAX computation does this for you.");
+}
+
+}  // namespace strata::ffi_common

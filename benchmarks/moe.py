@@ -213,7 +213,6 @@ def _strata_moe(strata, name):
 
 def run(args) -> Report:
     import jax
-    import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from .collectives import DTYPE_ALIASES, np_dtype

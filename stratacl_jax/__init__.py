@@ -25,5 +25,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute",
-    "config", "stats", "reset_stats", "emulator", "memory",
+    "config", "stats", "reset_stats", "emulator", "memory", "moe",
 ]

@@ -134,3 +134,14 @@ def call(target: str, group: Group, x, out_shape, *, block_elems: int, out_vma: 
     )
     # ffi_call results are typed invariant; give them the twin's type.
     return make_varying(y, tuple(a for a in out_vma)) if out_vma else y
+
+
+def linear_collective(forward, transpose, num_static: int):
+    """The op `forward(x, *static)` as a differentiable JAX function, for the
+    collectives that are linear in x: the VJP is `transpose(ct, *static)` and
+    needs no residuals. (all_reduce keeps its own rule: max/min/prod are not
+    linear.)"""
+    op = jax.custom_vjp(forward, nondiff_argnums=tuple(range(1, 1 + num_static)))
+    op.defvjp(lambda x, *static: (forward(x, *static), None),
+              lambda *args: (transpose(args[-1], *args[:num_static]),))
+    return op

@@ -1,9 +1,6 @@
 """strata.all_gather — the twin of lax.all_gather."""
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 
 from . import _ffi
@@ -39,19 +36,10 @@ def _forward(x, axes, axis, tiled):
     return jnp.moveaxis(out, 0, axis)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_gather(x, axes, axis, tiled):
-    return _forward(x, axes, axis, tiled)
-
-
-def _fwd(x, axes, axis, tiled):
-    return _forward(x, axes, axis, tiled), None
-
-
-def _bwd(axes, axis, tiled, _, ct):
+def _transpose(ct, axes, axis, tiled):
     from .reduce_scatter import reduce_scatter
 
-    return (reduce_scatter(ct, axes, scatter_dimension=axis, tiled=tiled),)
+    return reduce_scatter(ct, axes, scatter_dimension=axis, tiled=tiled)
 
 
-_all_gather.defvjp(_fwd, _bwd)
+_all_gather = _ffi.linear_collective(_forward, _transpose, 3)

@@ -1,9 +1,6 @@
 """strata.all_to_all — the twin of lax.all_to_all."""
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 
 from . import _ffi
@@ -52,18 +49,9 @@ def _forward(x, axes, s, c, tiled):
     return received.reshape(shape[:c] + (n * shape[c + 1],) + shape[c + 2:])
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _all_to_all(x, axes, s, c, tiled):
-    return _forward(x, axes, s, c, tiled)
-
-
-def _fwd(x, axes, s, c, tiled):
-    return _forward(x, axes, s, c, tiled), None
-
-
-def _bwd(axes, s, c, tiled, _, ct):
+def _transpose(ct, axes, s, c, tiled):
     # all_to_all is a permutation of blocks: its transpose swaps the axes.
-    return (all_to_all(ct, axes, c, s, tiled=tiled),)
+    return all_to_all(ct, axes, c, s, tiled=tiled)
 
 
-_all_to_all.defvjp(_fwd, _bwd)
+_all_to_all = _ffi.linear_collective(_forward, _transpose, 4)

@@ -2,9 +2,6 @@
 semantics; jax 0.10.2 lowers pbroadcast only on GPU)."""
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 
 from . import _ffi
@@ -30,23 +27,14 @@ def _forward(x, axes, root):
     return out.reshape(x.shape)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _broadcast(x, axes, root):
-    return _forward(x, axes, root)
-
-
-def _fwd(x, axes, root):
-    return _forward(x, axes, root), None
-
-
-def _bwd(axes, root, _, ct):
+def _transpose(ct, axes, root):
     # Every rank's output came from the root: the root gets the sum of all
     # cotangents, the others nothing.
     from .all_reduce import all_reduce
 
     total = _ffi.make_varying(all_reduce(ct, axes, op="sum"), axes)
     is_root = _ffi.Group(OPNAME, axes).rank() == root
-    return (jnp.where(is_root, total, jnp.zeros_like(total)),)
+    return jnp.where(is_root, total, jnp.zeros_like(total))
 
 
-_broadcast.defvjp(_fwd, _bwd)
+_broadcast = _ffi.linear_collective(_forward, _transpose, 2)

@@ -1,9 +1,6 @@
 """strata.ppermute — the twin of lax.ppermute."""
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 
 from . import _ffi
@@ -43,17 +40,8 @@ def _forward(x, axes, pairs):
     return out.reshape(x.shape)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _ppermute(x, axes, pairs):
-    return _forward(x, axes, pairs)
+def _transpose(ct, axes, pairs):
+    return ppermute(ct, axes, [(d, s) for s, d in pairs])
 
 
-def _fwd(x, axes, pairs):
-    return _forward(x, axes, pairs), None
-
-
-def _bwd(axes, pairs, _, ct):
-    return (ppermute(ct, axes, [(d, s) for s, d in pairs]),)
-
-
-_ppermute.defvjp(_fwd, _bwd)
+_ppermute = _ffi.linear_collective(_forward, _transpose, 2)

@@ -1,9 +1,6 @@
 """strata.reduce_scatter — the twin of lax.psum_scatter (plus max/min/prod)."""
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 
 from . import _ffi
@@ -39,22 +36,13 @@ def _forward(x, axes, d, tiled, op):
     return jnp.moveaxis(out, 0, d) if tiled else out
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _reduce_scatter(x, axes, d, tiled, op):
-    return _forward(x, axes, d, tiled, op)
-
-
-def _fwd(x, axes, d, tiled, op):
-    return _forward(x, axes, d, tiled, op), None
-
-
-def _bwd(axes, d, tiled, op, _, ct):
+def _transpose(ct, axes, d, tiled, op):
     if op != "sum":
         raise NotImplementedError(
             f"{OPNAME}: the gradient is defined for op='sum' only (as lax.psum_scatter); got op={op!r}")
     from .all_gather import all_gather
 
-    return (all_gather(ct, axes, axis=d, tiled=tiled),)
+    return all_gather(ct, axes, axis=d, tiled=tiled)
 
 
-_reduce_scatter.defvjp(_fwd, _bwd)
+_reduce_scatter = _ffi.linear_collective(_forward, _transpose, 4)

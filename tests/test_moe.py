@@ -159,7 +159,6 @@ def _layer_value_and_grad(layer, mesh, capacity, activation="gelu"):
 def test_layer_and_grads_match_dense(mesh8, activation):
     x, router, w_in, w_out, g = _layer_inputs(3)
     cap = N * T  # top-k experts are distinct, so no expert can overflow
-    spec = P("x")
     placed = place(mesh8, x) + place(mesh8, router, spec=P()) + place(mesh8, w_in, w_out, g)
     (_, y), grads = _layer_value_and_grad(strata.moe.expert_parallel_ffn, mesh8, cap, activation)(*placed)
 

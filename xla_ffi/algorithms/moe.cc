@@ -108,19 +108,6 @@ void WithFloatType(DType dtype, Fn&& fn) {
   }
 }
 
-Participant MakeParticipant(const char* opname, const MoeParams& p, const MoeCall& c) {
-  Participant who;
-  who.opname = opname;
-  who.run_id = c.run_id;
-  who.site_id = c.site_id;
-  who.group_id = c.group_id;
-  who.group_size = p.group_size;
-  who.rank = c.rank;
-  who.device = c.device;
-  who.timeout_s = c.timeout_s;
-  return who;
-}
-
 Status CheckCall(const char* opname, const MoeParams& p, const MoeCall& c) {
   std::ostringstream os;
   os << opname << ": ";
@@ -414,7 +401,7 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
     state.reset();
     done(out);
   };
-  JoinAsync(MakeParticipant(opname, p, c), std::move(ptrs), p.Describe(opname), std::move(finish),
+  JoinAsync(c.As(opname, p.group_size), std::move(ptrs), p.Describe(opname), std::move(finish),
             start);
 }
 

@@ -42,14 +42,8 @@ struct MoeParams {
 };
 
 // Who is calling.
-struct MoeCall {
-  int64_t run_id = 0;
-  int64_t site_id = 0;
-  int32_t group_id = 0;
-  int32_t rank = 0;
-  int32_t device = 0;
-  double timeout_s = 60.0;
-};
+// Who is calling (rank, group, call site, run), as for the collectives.
+using MoeCall = CallSite;
 
 // Weights and their gradients are float64 for float64 rows, float32 otherwise.
 DType MoeWeightDType(DType rows);

@@ -328,15 +328,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, std::shared_ptr<
 }  // namespace
 
 void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void(const Status&)> done) {
-  Participant who;
-  who.opname = OpName(p.kind);
-  who.run_id = c.run_id;
-  who.site_id = c.site_id;
-  who.group_id = c.group_id;
-  who.group_size = p.group_size;
-  who.rank = c.rank;
-  who.device = c.device;
-  who.timeout_s = c.timeout_s;
+  const Participant who = c.As(OpName(p.kind), p.group_size);
   if (c.rank < 0 || c.rank >= p.group_size)
     return done(Status::Error(std::string(who.opname) + ": rank " + std::to_string(c.rank) +
                               " is out of range for a group of " + std::to_string(p.group_size)));

@@ -11,6 +11,7 @@
 
 #include "dtypes.h"
 #include "plan.h"
+#include "rendezvous.h"
 #include "status.h"
 
 namespace strata {
@@ -41,15 +42,9 @@ struct OpParams {
 };
 
 // Who is calling, and with which buffers.
-struct RankCall {
-  int64_t run_id = 0;   // one XLA execution
-  int64_t site_id = 0;  // one call site in the traced program
-  int32_t group_id = 0;
-  int32_t rank = 0;
-  int32_t device = 0;
+struct RankCall : CallSite {
   const void* in = nullptr;
   void* out = nullptr;
-  double timeout_s = 60.0;
 };
 
 // Joins the group and returns at once; `done` is called exactly once, when

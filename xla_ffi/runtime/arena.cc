@@ -95,8 +95,10 @@ ArenaInfo Arena::Info() {
 }
 
 namespace {
-std::mutex g_arenas_mu;
-std::map<int, std::unique_ptr<Arena>> g_arenas;
+// Never destroyed: detached runtime threads (workers, the watchdog,
+// completion threads) may still touch these while the process exits.
+std::mutex& g_arenas_mu = *new std::mutex;
+std::map<int, std::unique_ptr<Arena>>& g_arenas = *new std::map<int, std::unique_ptr<Arena>>;
 }  // namespace
 
 Arena& ArenaFor(int device) {

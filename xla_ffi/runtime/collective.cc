@@ -144,8 +144,10 @@ struct Communicator {
   }
 };
 
-std::mutex g_comms_mu;
-std::map<std::vector<int32_t>, std::unique_ptr<Communicator>> g_comms;
+// Never destroyed: detached runtime threads (workers, the watchdog,
+// completion threads) may still touch these while the process exits.
+std::mutex& g_comms_mu = *new std::mutex;
+std::map<std::vector<int32_t>, std::unique_ptr<Communicator>>& g_comms = *new std::map<std::vector<int32_t>, std::unique_ptr<Communicator>>;
 
 Communicator* GetCommunicator(const std::vector<int32_t>& devices) {
   std::lock_guard<std::mutex> lock(g_comms_mu);

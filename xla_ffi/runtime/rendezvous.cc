@@ -22,10 +22,12 @@ struct SiteState {
   Clock::time_point touched;
 };
 
-std::mutex g_mu;
-std::map<SlotKey, std::shared_ptr<Slot>> g_slots;
-std::map<SiteKey, SiteState> g_sites;
-std::map<const Slot*, SlotKey> g_slot_keys;
+// Never destroyed: detached runtime threads (workers, the watchdog,
+// completion threads) may still touch these while the process exits.
+std::mutex& g_mu = *new std::mutex;
+std::map<SlotKey, std::shared_ptr<Slot>>& g_slots = *new std::map<SlotKey, std::shared_ptr<Slot>>;
+std::map<SiteKey, SiteState>& g_sites = *new std::map<SiteKey, SiteState>;
+std::map<const Slot*, SlotKey>& g_slot_keys = *new std::map<const Slot*, SlotKey>;
 
 // Drops bookkeeping of runs nobody touched for a while, and tombstones of
 // slots aborted over a minute ago (until then a late rank of a failed group
@@ -69,8 +71,8 @@ void AbortLocked(Slot& s, const std::string& why) {
 }
 
 // Slots waiting for ranks, checked by the watchdog.
-std::vector<std::shared_ptr<Slot>> g_pending;  // guarded by g_mu
-std::condition_variable g_watchdog_cv;
+std::vector<std::shared_ptr<Slot>>& g_pending = *new std::vector<std::shared_ptr<Slot>>;  // guarded by g_mu
+std::condition_variable& g_watchdog_cv = *new std::condition_variable;
 std::once_flag g_watchdog_once;
 
 std::string MissingRanksError(Slot& s) {

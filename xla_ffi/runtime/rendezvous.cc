@@ -33,6 +33,10 @@ std::map<const Slot*, SlotKey>& g_slot_keys = *new std::map<const Slot*, SlotKey
 // slots aborted over a minute ago (until then a late rank of a failed group
 // finds the error there). Caller holds g_mu.
 void PruneLocked(Clock::time_point now) {
+  // At most once a second: a sweep is linear in what is kept.
+  static Clock::time_point last_sweep;
+  if (now - last_sweep < std::chrono::seconds(1)) return;
+  last_sweep = now;
   if (g_sites.size() > 4096) {
     for (auto it = g_sites.begin(); it != g_sites.end();)
       it = now - it->second.touched > std::chrono::seconds(120) ? g_sites.erase(it) : std::next(it);
@@ -136,10 +140,18 @@ void WatchdogLoop() {
 void EraseSlot(const Slot* slot) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_slot_keys.find(slot);
-  if (it != g_slot_keys.end()) {
-    g_slots.erase(it->second);
-    g_slot_keys.erase(it);
-  }
+  if (it == g_slot_keys.end()) return;
+  const auto [run, site, group, iteration] = it->second;
+  g_slots.erase(it->second);
+  g_slot_keys.erase(it);
+  // Once every rank has run the site exactly this often and nothing of it is
+  // in flight, its counters can go: a later call starts again at iteration 0,
+  // whose slot is long gone. Keeps long runs from piling up bookkeeping.
+  auto s = g_sites.find(SiteKey{run, site, group});
+  if (s == g_sites.end()) return;
+  for (int64_t next : s->second.next_iteration)
+    if (next != iteration + 1) return;
+  g_sites.erase(s);
 }
 
 }  // namespace

@@ -21,17 +21,6 @@
 
 namespace strata {
 
-struct Participant {
-  const char* opname = "strata";
-  int64_t run_id = 0;   // one XLA execution
-  int64_t site_id = 0;  // one call site in the traced program
-  int32_t group_id = 0;
-  int32_t group_size = 1;
-  int32_t rank = 0;
-  int32_t device = 0;
-  double timeout_s = 60.0;
-};
-
 // Who is calling: one rank of one group at one call site of one XLA run.
 struct CallSite {
   int64_t run_id = 0;   // one XLA execution
@@ -41,19 +30,22 @@ struct CallSite {
   int32_t device = 0;
   double timeout_s = 60.0;
 
-  Participant As(const char* opname, int32_t group_size) const {
-    Participant who;
-    who.opname = opname;
-    who.run_id = run_id;
-    who.site_id = site_id;
-    who.group_id = group_id;
-    who.group_size = group_size;
-    who.rank = rank;
-    who.device = device;
-    who.timeout_s = timeout_s;
-    return who;
-  }
+  struct Participant As(const char* opname, int32_t group_size) const;
 };
+
+// A call site joining a group of `group_size` ranks for the op `opname`.
+struct Participant : CallSite {
+  const char* opname = "strata";
+  int32_t group_size = 1;
+};
+
+inline Participant CallSite::As(const char* opname, int32_t group_size) const {
+  Participant who;
+  static_cast<CallSite&>(who) = *this;
+  who.opname = opname;
+  who.group_size = group_size;
+  return who;
+}
 
 struct Slot {
   explicit Slot(int n) : n(n), present(n, 0), ptrs(n), devices(n, -1), signatures(n) {}

@@ -13,6 +13,7 @@
 
 #include "../runtime/dtypes.h"
 #include "../runtime/executor.h"
+#include "../runtime/rendezvous.h"
 #include "../runtime/status.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -34,6 +35,19 @@ inline std::optional<DType> ToDType(ffi::DataType t) {
     case ffi::DataType::PRED: return DType::PRED;
     default: return std::nullopt;
   }
+}
+
+// Who is calling, from the handler's context and the (rank, group) operand.
+inline CallSite DecodeCallSite(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32>& meta,
+                               int64_t site_id, int64_t timeout_ms) {
+  CallSite c;
+  c.run_id = run.run_id;
+  c.site_id = site_id;
+  c.rank = meta.typed_data()[0];
+  c.group_id = meta.typed_data()[1];
+  c.device = device;
+  c.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
+  return c;
 }
 
 inline ffi::Future Failed(ffi::Error error) {

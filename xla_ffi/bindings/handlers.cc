@@ -70,14 +70,9 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   if (in_row == 0) return ffi_common::Ready();  // nothing to move on any rank
 
   RankCall c;
-  c.run_id = run.run_id;
-  c.site_id = site_id;
-  c.rank = meta.typed_data()[0];
-  c.group_id = meta.typed_data()[1];
-  c.device = device;
+  static_cast<CallSite&>(c) = ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms);
   c.in = x.untyped_data();
   c.out = out->untyped_data();
-  c.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
   ffi_common::BriefWait wait{std::chrono::microseconds{kBriefWaitUs}};
   RunCollectiveAsync(p, c, wait.Completion());
   return wait.Wait();

@@ -51,14 +51,7 @@ std::string Shape(ffi::AnyBuffer::Dimensions d) {
 
 MoeCall MakeCall(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32> meta, int64_t site_id,
                  int64_t timeout_ms) {
-  MoeCall c;
-  c.run_id = run.run_id;
-  c.site_id = site_id;
-  c.rank = meta.typed_data()[0];
-  c.group_id = meta.typed_data()[1];
-  c.device = device;
-  c.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
-  return c;
+  return ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms);
 }
 
 MoeDone Fulfil(ffi::Promise promise) { return ffi_common::Settle(std::move(promise)); }

@@ -165,10 +165,4 @@ void Complete(std::function<void()> fn) {
 
 void Submit(std::shared_ptr<Job> job, bool help) { Global().Submit(std::move(job), help); }
 
-void RunInline(Job& job) {
-  for (const Phase& p : job.phases)
-    for (uint64_t i = 0; i < p.count; ++i) p.run(i);
-  if (job.on_done) job.on_done();
-}
-
 }  // namespace strata

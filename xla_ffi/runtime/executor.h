@@ -35,9 +35,6 @@ int HostWorkers();
 // calling thread.
 void Submit(std::shared_ptr<Job> job, bool help = false);
 
-// Runs `job` to completion on the calling thread (tiny jobs, tests).
-void RunInline(Job& job);
-
 // Runs `fn` on a completion thread of its own. Fulfilling an XLA future runs
 // the rest of that rank's program on the fulfilling thread; if one thread
 // fulfilled every rank in turn, a rank that reaches XLA's own collective

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "../algorithms/algorithms.h"
+#include "copy.h"
 #include "registry.h"
 #include "rendezvous.h"
 #include "stats.h"
@@ -172,6 +173,7 @@ struct View {
   int64_t rows = 1;
   int64_t in_row_stride = 0, out_row_stride = 0, block_stride = 0;
   int64_t col_lo = 0, col_hi = 0;  // window of the message's columns present
+  bool streaming = false;  // outputs too large to stay cached: non-temporal stores
 };
 
 struct Moved {
@@ -213,20 +215,21 @@ Moved RunTask(const Plan& plan, const LaneTask& task, const View& v) {
         for (uint32_t k = 0; k < t.dst_count; ++k) std::memset(dp[k], 0, len);
       } else if (plan.is_reduction()) {
         ReduceInto(plan.dtype, plan.op, dp, t.dst_count, sp, t.src_count,
-                   len / DTypeSize(plan.dtype));
+                   len / DTypeSize(plan.dtype), v.streaming);
       } else {
         // Copy in 64 KiB strips so a multi-destination source stays in cache.
         constexpr int64_t kStrip = 64 << 10;
         for (int64_t off = 0; off < len; off += kStrip) {
           int64_t n = std::min(kStrip, len - off);
           for (uint32_t k = 0; k < t.dst_count; ++k)
-            std::memcpy(static_cast<char*>(dp[k]) + off, static_cast<const char*>(sp[0]) + off, n);
+            CopyBytes(static_cast<char*>(dp[k]) + off, static_cast<const char*>(sp[0]) + off, n, v.streaming);
         }
       }
       moved.written += len * t.dst_count;
       moved.touched += len * (t.src_count + t.dst_count);
     }
   }
+  if (v.streaming) StoreFence();
   return moved;
 }
 
@@ -266,6 +269,7 @@ View DirectView(const Slot& s, const OpParams& p) {
   v.block_stride = p.block_bytes;
   v.col_lo = 0;
   v.col_hi = p.block_bytes;
+  v.streaming = p.rows * p.out_blocks * p.block_bytes * s.n >= StreamingThresholdBytes();
   return v;
 }
 

@@ -1,5 +1,7 @@
 #include "dtypes.h"
 
+#include "copy.h"
+
 #include <algorithm>
 
 namespace strata {
@@ -77,7 +79,7 @@ inline S WrapCombine(ReduceOp op, S a, S b) {
 }
 
 template <typename T, typename Fold>
-void ReduceLoop(T* const* outs, int num_outs, const void* const* srcs, int n, size_t count, Fold fold) {
+void ReduceLoop(T* const* outs, int num_outs, const void* const* srcs, int n, size_t count, bool streaming, Fold fold) {
   // Strips of 32 KiB: long enough per source for the hardware prefetcher,
   // small enough that the accumulator stays in L2 while the sources stream
   // by, up to four per pass; then the strip is written to every destination.
@@ -102,12 +104,12 @@ void ReduceLoop(T* const* outs, int num_outs, const void* const* srcs, int n, si
       }
       k += take;
     }
-    for (int d = 0; d < num_outs; ++d) std::memcpy(outs[d] + base, acc, len * sizeof(T));
+    for (int d = 0; d < num_outs; ++d) CopyBytes(outs[d] + base, acc, len * sizeof(T), streaming);
   }
 }
 
 template <uint16_t (*ToBits)(float), float (*FromBits)(uint16_t)>
-void ReduceHalf(ReduceOp op, void* const* outs, int num_outs, const void* const* srcs, int n, size_t count) {
+void ReduceHalf(ReduceOp op, void* const* outs, int num_outs, const void* const* srcs, int n, size_t count, bool streaming) {
   constexpr size_t kBlock = 1024;
   float acc[kBlock];
   uint16_t rounded[kBlock];
@@ -125,29 +127,29 @@ void ReduceHalf(ReduceOp op, void* const* outs, int num_outs, const void* const*
     }
     for (size_t i = 0; i < len; ++i) rounded[i] = ToBits(acc[i]);
     for (int d = 0; d < num_outs; ++d)
-      std::memcpy(static_cast<uint16_t*>(outs[d]) + base, rounded, len * sizeof(uint16_t));
+      CopyBytes(static_cast<uint16_t*>(outs[d]) + base, rounded, len * sizeof(uint16_t), streaming);
   }
 }
 
 template <typename F>
-void ReduceFloat(ReduceOp op, void* const* outs, int num_outs, const void* const* srcs, int n, size_t count) {
+void ReduceFloat(ReduceOp op, void* const* outs, int num_outs, const void* const* srcs, int n, size_t count, bool streaming) {
   F* const* o = reinterpret_cast<F* const*>(outs);
   switch (op) {
-    case ReduceOp::kSum: return ReduceLoop<F>(o, num_outs, srcs, n, count, [](F a, F b) { return a + b; });
-    case ReduceOp::kProd: return ReduceLoop<F>(o, num_outs, srcs, n, count, [](F a, F b) { return a * b; });
-    case ReduceOp::kMax: return ReduceLoop<F>(o, num_outs, srcs, n, count, [](F a, F b) { return FloatMaxMin(ReduceOp::kMax, a, b); });
-    default: return ReduceLoop<F>(o, num_outs, srcs, n, count, [](F a, F b) { return FloatMaxMin(ReduceOp::kMin, a, b); });
+    case ReduceOp::kSum: return ReduceLoop<F>(o, num_outs, srcs, n, count, streaming, [](F a, F b) { return a + b; });
+    case ReduceOp::kProd: return ReduceLoop<F>(o, num_outs, srcs, n, count, streaming, [](F a, F b) { return a * b; });
+    case ReduceOp::kMax: return ReduceLoop<F>(o, num_outs, srcs, n, count, streaming, [](F a, F b) { return FloatMaxMin(ReduceOp::kMax, a, b); });
+    default: return ReduceLoop<F>(o, num_outs, srcs, n, count, streaming, [](F a, F b) { return FloatMaxMin(ReduceOp::kMin, a, b); });
   }
 }
 
 template <typename S, typename U>
-void ReduceInt(ReduceOp op, void* const* outs, int num_outs, const void* const* srcs, int n, size_t count) {
+void ReduceInt(ReduceOp op, void* const* outs, int num_outs, const void* const* srcs, int n, size_t count, bool streaming) {
   S* const* o = reinterpret_cast<S* const*>(outs);
   switch (op) {
-    case ReduceOp::kSum: return ReduceLoop<S>(o, num_outs, srcs, n, count, [](S a, S b) { return WrapCombine<S, U>(ReduceOp::kSum, a, b); });
-    case ReduceOp::kProd: return ReduceLoop<S>(o, num_outs, srcs, n, count, [](S a, S b) { return WrapCombine<S, U>(ReduceOp::kProd, a, b); });
-    case ReduceOp::kMax: return ReduceLoop<S>(o, num_outs, srcs, n, count, [](S a, S b) { return std::max(a, b); });
-    default: return ReduceLoop<S>(o, num_outs, srcs, n, count, [](S a, S b) { return std::min(a, b); });
+    case ReduceOp::kSum: return ReduceLoop<S>(o, num_outs, srcs, n, count, streaming, [](S a, S b) { return WrapCombine<S, U>(ReduceOp::kSum, a, b); });
+    case ReduceOp::kProd: return ReduceLoop<S>(o, num_outs, srcs, n, count, streaming, [](S a, S b) { return WrapCombine<S, U>(ReduceOp::kProd, a, b); });
+    case ReduceOp::kMax: return ReduceLoop<S>(o, num_outs, srcs, n, count, streaming, [](S a, S b) { return std::max(a, b); });
+    default: return ReduceLoop<S>(o, num_outs, srcs, n, count, streaming, [](S a, S b) { return std::min(a, b); });
   }
 }
 
@@ -174,18 +176,18 @@ const char* ReduceOpName(ReduceOp op) {
 }
 
 void ReduceInto(DType dtype, ReduceOp op, void* const* outs, int num_outs,
-                const void* const* srcs, int num_srcs, size_t count) {
+                const void* const* srcs, int num_srcs, size_t count, bool streaming) {
   switch (dtype) {
-    case DType::F32: return ReduceFloat<float>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::F64: return ReduceFloat<double>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::F16: return ReduceHalf<FloatToF16, F16ToFloat>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::BF16: return ReduceHalf<FloatToBf16, Bf16ToFloat>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::S8: return ReduceInt<int8_t, uint8_t>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::S32: return ReduceInt<int32_t, uint32_t>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::S64: return ReduceInt<int64_t, uint64_t>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::U8: return ReduceInt<uint8_t, uint8_t>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::U32: return ReduceInt<uint32_t, uint32_t>(op, outs, num_outs, srcs, num_srcs, count);
-    case DType::PRED: return ReduceInt<uint8_t, uint8_t>(op, outs, num_outs, srcs, num_srcs, count);
+    case DType::F32: return ReduceFloat<float>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::F64: return ReduceFloat<double>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::F16: return ReduceHalf<FloatToF16, F16ToFloat>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::BF16: return ReduceHalf<FloatToBf16, Bf16ToFloat>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::S8: return ReduceInt<int8_t, uint8_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::S32: return ReduceInt<int32_t, uint32_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::S64: return ReduceInt<int64_t, uint64_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::U8: return ReduceInt<uint8_t, uint8_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::U32: return ReduceInt<uint32_t, uint32_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::PRED: return ReduceInt<uint8_t, uint8_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
   }
 }
 

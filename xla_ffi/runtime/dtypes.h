@@ -17,7 +17,8 @@ const char* ReduceOpName(ReduceOp op);
 // outs[d][i] = reduce_{k < num_srcs} srcs[k][i] for i < count and every d.
 // Sources fold in rank order and one executor writes every copy, so all
 // ranks get the same bits. 16-bit floats accumulate in float32 and round once.
+// `streaming`: write the outputs with non-temporal stores (see CopyBytes).
 void ReduceInto(DType dtype, ReduceOp op, void* const* outs, int num_outs,
-                const void* const* srcs, int num_srcs, size_t count);
+                const void* const* srcs, int num_srcs, size_t count, bool streaming = false);
 
 }  // namespace strata

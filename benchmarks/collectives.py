@@ -7,11 +7,13 @@ Conventions (FACTS §3, nccl-tests doc/PERFORMANCE.md):
 - busbw = algbw x f: 2(N-1)/N all_reduce; (N-1)/N all_gather, reduce_scatter, all_to_all;
   1 broadcast and ppermute (sendrecv).
 - time = mean wall time per call of n back-to-back calls of one jitted shard_map program
-  (blocking every 16 calls and after the last), after one compile call and -w warm-up calls.
+  (blocking every 16 calls and after the last), median over --repeats rounds; each round
+  times every variant, the launch reference and the floor back to back (interleaved).
 - memory floor = the op's minimal bytes read + written over all ranks (all_reduce N*S + N*S,
   all_gather N*S + N*N*S, reduce_scatter N*S + S, all_to_all and ppermute N*S + N*S,
-  broadcast S + N*S), timed in the same run as one np.copyto of that traffic (half of it
-  copied) into a freshly np.empty-allocated buffer; share = floor time / op time.
+  broadcast S + N*S), timed as plain np.copyto calls laid out like the op (every rank fills
+  its whole output, fresh np.empty memory as XLA's outputs are; common.floor_copy_us);
+  share = floor time / op time; net share = floor time / (op time - launch time).
 - #wrong = elements that differ from an exact expected value: inputs are small integers that
   depend on rank and position, chosen per dtype so every sum/product is exact in any order.
 """
@@ -23,6 +25,7 @@ import json
 import math
 import re
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,15 +68,16 @@ class OpSpec:
     s_bytes: Callable[[int, int], int]  # (size per rank, N) -> nccl-tests S
     floor_bytes: Callable[[int, int], int]  # (size per rank, N) -> bytes read + written
     divisible: bool  # per-rank count must be a multiple of N
+    out_bytes: Callable[[int, int], int] = lambda s, n: s  # (size per rank, N) -> output per rank
 
 
 SPECS = {
     "all_reduce": OpSpec("all_reduce", True, lambda n: 2 * (n - 1) / n, lambda s, n: s,
                          lambda s, n: 2 * n * s, False),
     "all_gather": OpSpec("all_gather", False, lambda n: (n - 1) / n, lambda s, n: n * s,
-                         lambda s, n: n * s + n * n * s, False),
+                         lambda s, n: n * s + n * n * s, False, lambda s, n: n * s),
     "reduce_scatter": OpSpec("reduce_scatter", True, lambda n: (n - 1) / n, lambda s, n: s,
-                             lambda s, n: n * s + s, True),
+                             lambda s, n: n * s + s, True, lambda s, n: s // n),
     "all_to_all": OpSpec("all_to_all", False, lambda n: (n - 1) / n, lambda s, n: s,
                          lambda s, n: 2 * n * s, True),
     "broadcast": OpSpec("broadcast", False, lambda n: 1.0, lambda s, n: s,
@@ -280,7 +284,8 @@ def _base_rows(op, args, dtype, n, shape, sizes):
                     "redop": args.redop if spec.reduces else "none",
                     "root": args.root if op == "broadcast" else -1, "size": nbytes,
                     "count": count, "s_bytes": spec.s_bytes(nbytes, n),
-                    "bus_factor": spec.bus_factor(n), "floor_bytes": spec.floor_bytes(nbytes, n)})
+                    "bus_factor": spec.bus_factor(n), "floor_bytes": spec.floor_bytes(nbytes, n),
+                    "out_bytes": spec.out_bytes(nbytes, n)})
     return out
 
 
@@ -357,6 +362,12 @@ def _ticker(bar):
 
 
 def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, mode_skips):
+    """Per size: compile and check every variant, then time them in interleaved rounds.
+
+    The machine is shared and drifts by tens of percent over seconds, so comparing blocks timed
+    minutes apart says more about the machine than about the op: each of --repeats rounds times
+    one block of every variant, of the launch reference and of the memory floor, back to back,
+    and every figure is the median over the rounds."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     spec, dt = SPECS[op], np_dtype(dtype)
@@ -367,7 +378,6 @@ def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, 
     rows = []
     for base in _base_rows(op, args, dtype, n, shape, sizes):
         count = base["count"]
-        base["floor_us"] = common.floor_copy_us(base["floor_bytes"])
         x = xerr = exp = None
         if spec.reduces and dtype == "bool":
             xerr = common.Skip("bool does not reduce")
@@ -379,19 +389,25 @@ def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, 
                 x, base["alloc"] = _device_put(inp.reshape(-1), sharding, args.alloc, strata)
             except Exception as e:
                 xerr = e
+        size_rows, timed = [], []
         for impl, mode in variants:
             tick(f"{op} {common.format_size(base['size'])} {impl}{'/' + mode if mode else ''}")
             row = dict(base, impl=impl, mode=mode)
             if xerr is not None:
                 row.update(common.failure(xerr))
             else:
-                _measure(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode, strata,
-                         strata_reason, mode_skips)
+                prepared = _prepare(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode,
+                                    strata, strata_reason, mode_skips)
+                if prepared is not None:
+                    timed.append((row, *prepared))
+            size_rows.append(row)
+        _time_rounds(base, size_rows, timed, args, x, mesh, ax, n, strata)
+        for row in size_rows:
             rows.append(row)
             if args.rows_jsonl:  # as soon as measured: a later abort must not lose it
                 with open(args.rows_jsonl, "a") as f:
                     f.write(json.dumps(common.jsonable(row)) + "\n")
-        del x
+        del x, timed
     return rows
 
 
@@ -450,9 +466,10 @@ def _child_failure(rc, stderr: str) -> str:
     return f"child process {'timed out' if rc == 'timeout' else f'exited {rc}'}: {why}"
 
 
-def _measure(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode, strata, strata_reason,
-             mode_skips) -> None:
-    """Fill row with time/bandwidth/#wrong, or status skipped/error and the reason."""
+def _prepare(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode, strata, strata_reason,
+             mode_skips):
+    """Compile and run one variant once, count #wrong; returns (fn, ctx factory), or None with
+    the row marked skipped/error and the reason."""
     import contextlib
 
     import jax
@@ -466,43 +483,105 @@ def _measure(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode, strata, st
             if mode in mode_skips:
                 raise common.Skip(mode_skips[mode])
             try:
-                ctx = common.strata_mode_context(strata, mode)
+                common.strata_mode_context(strata, mode)
             except common.Skip as e:
                 mode_skips[mode] = str(e)
                 raise
             body = strata_body(strata, spec.name, ax, args.redop, args.root, n)
+
+            def ctx():
+                return common.strata_mode_context(strata, mode)
         else:
-            ctx = contextlib.nullcontext()
+            ctx = contextlib.nullcontext
             body, row["lax_impl"] = lax_body(spec.name, ax, args.redop, args.root, n, dtype)
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(ax), out_specs=P(ax)))
-        with ctx:
-            if impl == "strata":
-                common.reset_strata_stats(strata)
-            timing, out = common.time_calls(fn, (x,), iters=args.iters,
-                                            warmup=args.warmup_iters,
-                                            max_seconds=args.max_seconds,
-                                            repeats=args.repeats,
-                                            sync_every=args.sync_every)
-            if impl == "strata":
-                stats = common.strata_stats(strata)
-                calls = 1 + timing.warmup + timing.iters
-                if stats:  # scalar counters only (per-core lists would swamp the JSON)
-                    row["stats_per_call"] = {k: v / calls for k, v in stats.items()
-                                             if isinstance(v, (int, float))}
+        with ctx():
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(fn(x))
+            row["first_call_s"] = time.perf_counter() - t0
     except Exception as e:
         row.update(common.failure(e))
-        return
-    t = timing.mean_us
-    row.update(time_us=t, iters=timing.iters, first_call_s=timing.first_call_s)
-    row["algbw"] = row["s_bytes"] / (t * 1e-6) / 1e9
-    row["busbw"] = row["algbw"] * row["bus_factor"]
-    row["floor_share"] = row["floor_us"] / t
+        return None
     if exp is not None:
         got = np.asarray(out).reshape(n, -1)
         row["wrong"] = int(np.count_nonzero(got != exp)) if got.shape[1] == exp.shape[1] \
             else int(got.size)
     else:
         row["wrong"] = None
+    return fn, ctx
+
+
+def _launch_program(mesh, ax):
+    """The launch reference: a shard_map program that does almost nothing (one element per
+    rank), so its time is what XLA:CPU charges any program on this mesh."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    return jax.jit(jax.shard_map(lambda v: v[:1] + 1, mesh=mesh, in_specs=P(ax), out_specs=P(ax)))
+
+
+def _time_rounds(base, size_rows, timed, args, x, mesh, ax, n, strata) -> None:
+    """--repeats rounds, each: one block of every prepared variant, the launch reference and
+    the memory floor. Medians over rounds go into the rows."""
+    launch = _launch_program(mesh, ax) if timed and x is not None else None
+    floor_samples, launch_samples = [], []
+    blocks = {id(row): [] for row, *_ in timed}
+    iters = {id(row): args.iters for row, *_ in timed}
+    calls = {id(row): 0 for row, *_ in timed}
+    totals = {id(row): {} for row, *_ in timed}
+    if launch is not None:
+        try:
+            launch(x).block_until_ready()
+        except Exception:
+            launch = None
+    for _ in range(max(1, args.repeats)):
+        floor_samples.append(common.floor_copy_us(base["floor_bytes"], ranks=n,
+                                                  out_bytes=base["out_bytes"],
+                                                  in_bytes=base["size"]))
+        if launch is not None:
+            t, _ = common.time_calls(launch, (x,), iters=args.iters, warmup=args.warmup_iters,
+                                     first_call=False, max_seconds=args.max_seconds,
+                                     sync_every=args.sync_every)
+            launch_samples.append(t.mean_us)
+        for row, fn, ctx in timed:
+            if row["status"] != "ok":
+                continue
+            try:
+                with ctx():
+                    if row["impl"] == "strata":
+                        common.reset_strata_stats(strata)
+                    t, out = common.time_calls(fn, (x,), iters=iters[id(row)],
+                                               warmup=args.warmup_iters, first_call=False,
+                                               max_seconds=args.max_seconds,
+                                               sync_every=args.sync_every)
+                    del out
+                    stats = common.strata_stats(strata) if row["impl"] == "strata" else None
+            except Exception as e:
+                row.update(common.failure(e))
+                continue
+            iters[id(row)] = t.iters  # --max-seconds settles it in the first round
+            calls[id(row)] += t.warmup + t.iters
+            blocks[id(row)].append(t.mean_us)
+            for k, v in (stats or {}).items():  # scalar counters only (per-core lists swamp JSON)
+                if isinstance(v, (int, float)):
+                    totals[id(row)][k] = totals[id(row)].get(k, 0) + v
+    base_floor = float(np.median(floor_samples)) if floor_samples else \
+        common.floor_copy_us(base["floor_bytes"], ranks=n, out_bytes=base["out_bytes"],
+                             in_bytes=base["size"])
+    base_launch = float(np.median(launch_samples)) if launch_samples else None
+    for row in size_rows:
+        row["floor_us"], row["launch_us"] = base_floor, base_launch
+        if row.get("status") != "ok" or not blocks.get(id(row)):
+            continue
+        t = float(np.median(blocks[id(row)]))
+        row.update(time_us=t, iters=iters[id(row)], rounds_us=blocks[id(row)])
+        row["algbw"] = row["s_bytes"] / (t * 1e-6) / 1e9
+        row["busbw"] = row["algbw"] * row["bus_factor"]
+        row["floor_share"] = base_floor / t
+        if base_launch is not None and t > base_launch:
+            row["floor_share_net"] = base_floor / (t - base_launch)
+        if totals[id(row)] and calls[id(row)]:
+            row["stats_per_call"] = {k: v / calls[id(row)] for k, v in totals[id(row)].items()}
 
 
 COLS = [Col("size", "size", "(B)", "d", 10), Col("count", "count", "(elements)", "d", 10),
@@ -514,7 +593,9 @@ PEER_COLS = [Col("lax_time_us", "lax time", "(us)", ".1f", 9),
              Col("lax_busbw", "lax busbw", "(GB/s)", ".3g", 8),
              Col("speedup", "speedup", "(x)", ".2f", 7)]
 FLOOR_COLS = [Col("floor_us", "floor", "(us)", ".1f", 8),
-              Col("floor_pct", "of floor", "(%)", ".1f", 8)]
+              Col("floor_pct", "of floor", "(%)", ".1f", 8),
+              Col("launch_us", "launch", "(us)", ".1f", 7),
+              Col("floor_net_pct", "net", "(%)", ".1f", 6)]
 
 
 def _table(rows, impl, mode, with_peer, n, shape, dtype) -> str:
@@ -536,10 +617,12 @@ def _table(rows, impl, mode, with_peer, n, shape, dtype) -> str:
                 t["lax_time_us"] = None
         if r["status"] == "ok":
             t["floor_pct"] = 100 * r["floor_share"]
+            if r.get("floor_share_net") is not None:
+                t["floor_net_pct"] = 100 * r["floor_share_net"]
         out.append(t)
     cols = COLS + (PEER_COLS if with_peer else []) + FLOOR_COLS
     groups = [("", 5), (impl if impl == "lax" else f"strata mode={mode}", 4)]
-    groups += ([("lax peer", 3)] if with_peer else []) + [("memory floor", 2)]
+    groups += ([("lax peer", 3)] if with_peer else []) + [("memory floor, XLA launch", 4)]
     ok = [r for r in mine if r["status"] == "ok"]
     avg = sum(r["busbw"] for r in ok) / len(ok) if ok else float("nan")
     footer = [f"Out of bounds values : {sum(1 for r in ok if r.get('wrong'))} "

@@ -316,32 +316,66 @@ def time_calls(fn: Callable, args: tuple, *, iters: int, warmup: int, repeats: i
     return (timing, (out, args)) if chain is not None else (timing, out)
 
 
-_SRC: np.ndarray | None = None
+_FLOOR_BUFFERS: dict = {}
 
 
-def floor_copy_us(nbytes_read_plus_written: int, min_reps: int = 3, min_seconds: float = 0.02,
+# How many calls' outputs XLA:CPU keeps alive in the timed loops (the host blocks every
+# SYNC_EVERY calls), and the most memory the floor's copies may hold to mirror that.
+FLOOR_WINDOW_BYTES = 256 << 20
+
+
+def floor_copy_us(nbytes_read_plus_written: int, ranks: int = 1, out_bytes: int = 0,
+                  in_bytes: int = 0, min_reps: int = 3, min_seconds: float = 0.02,
                   max_reps: int = 50) -> float:
-    """Time of the memory floor: a plain np.copyto moving the same traffic (bytes read +
-    written), i.e. a copy of half that many bytes from an already-touched source into a
-    destination freshly allocated for each copy (np.empty: malloc, as XLA:CPU allocates each
-    call's outputs; whether the pages are new or recycled is the allocator's business in both
-    cases). Median over repetitions."""
-    global _SRC
-    nbytes = max(1, nbytes_read_plus_written // 2)
-    if _SRC is None or _SRC.nbytes < nbytes:
-        _SRC = np.ones(nbytes, dtype=np.uint8)  # ones: touched pages, not the shared zero page
-    src = _SRC[:nbytes]
+    """Time of the memory floor: plain single-threaded np.copyto calls laid out like the op.
+
+    Each of `ranks` ranks fills its whole output (`out_bytes`, the op's per-rank output size;
+    at least 1/(2*ranks) of the op's minimal traffic, so the copies move at least half of it)
+    from the op's inputs (`in_bytes` per rank, one touched pool). The outputs are fresh
+    memory, as the op's are: np.empty (malloc, like XLA:CPU's output buffers) for every rank
+    and repetition, and the outputs of the last SYNC_EVERY repetitions stay alive, as the
+    timed loop keeps that many calls' outputs (at most FLOOR_WINDOW_BYTES). So glibc hands the
+    floor the same kind of memory it hands XLA: new pages above its mmap threshold, recycled
+    heap pages below it, and not the cache-hot buffer just freed. Median over repetitions,
+    after one window of untimed ones."""
+    ranks = max(1, ranks)
+    copy = max(1, out_bytes, nbytes_read_plus_written // 2 // ranks)
+    stride = max(1, in_bytes)
+    pool = _floor_buffers("inputs", 1, max(copy, ranks * stride))[0]
+    srcs = [pool[o:o + copy] for o in (min(r * stride, pool.size - copy) for r in range(ranks))]
+    window = max(1, min(SYNC_EVERY, FLOOR_WINDOW_BYTES // (ranks * copy)))
+    alive: list[list[np.ndarray]] = []
     times: list[float] = []
     spent = 0.0
+    rep = 0
     while len(times) < max_reps and (len(times) < min_reps or spent < min_seconds):
-        dst = np.empty(nbytes, dtype=np.uint8)
+        if len(alive) >= window:
+            alive.pop(0)
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        outs = []
+        for src in srcs:
+            dst = np.empty(copy, dtype=np.uint8)
+            np.copyto(dst, src)
+            outs.append(dst)
         dt = time.perf_counter() - t0
-        del dst
-        times.append(dt)
-        spent += dt
+        alive.append(outs)
+        del outs, dst
+        rep += 1
+        if rep > window:  # the first window fills the allocator's state as the op's calls do
+            times.append(dt)
+            spent += dt
+    alive.clear()
     return float(np.median(times)) * 1e6
+
+
+def _floor_buffers(kind: str, ranks: int, nbytes: int) -> list[np.ndarray]:
+    """Per-rank touched buffers for the floor copies (cached per kind and shape)."""
+    key = (ranks, nbytes)
+    if _FLOOR_BUFFERS.get(kind, (None,))[0] != key:
+        _FLOOR_BUFFERS.pop(kind, None)  # free the old set before making the new one
+        # ones: touched pages, not the shared zero page
+        _FLOOR_BUFFERS[kind] = (key, [np.ones(nbytes, dtype=np.uint8) for _ in range(ranks)])
+    return _FLOOR_BUFFERS[kind][1]
 
 
 # ----------------------------------------------------------------------------------------------

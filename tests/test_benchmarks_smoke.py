@@ -44,9 +44,12 @@ def check_rows(path, min_ok):
 
 def test_collectives_cli(tmp_path):
     out = run_cli("collectives", "-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1",
-                  "--npus", "8", "--mode", "all", "--out", str(tmp_path))
-    assert "#wrong" in out and "Avg bus bandwidth" in out
+                  "--npus", "8", "--mode", "all", "--repeats", "2", "--out", str(tmp_path))
+    assert "#wrong" in out and "Avg bus bandwidth" in out and "launch" in out
     data = check_rows(tmp_path / "collectives.json", min_ok=len(collectives.OPS) * 2)
+    for r in data["rows"]:  # every variant timed once per interleaved round, floor and launch too
+        if r["status"] == "ok":
+            assert len(r["rounds_us"]) == 2 and r["floor_us"] > 0 and r["launch_us"] > 0, r
     lax = [r for r in data["rows"] if r["impl"] == "lax"]
     assert lax and all(r["status"] == "ok" and r["wrong"] == 0 for r in lax)
     assert (tmp_path / "collectives.csv").stat().st_size > 0

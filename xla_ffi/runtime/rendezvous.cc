@@ -43,7 +43,11 @@ void PruneLocked(Clock::time_point now) {
   }
   if (g_slots.size() > 1024) {
     for (auto it = g_slots.begin(); it != g_slots.end();) {
-      Slot& s = *it->second;
+      // Declared before the lock, so the slot outlives it: erasing the map's
+      // reference may free the slot, and unlocking a freed mutex writes into
+      // freed heap memory (glibc then aborts somewhere else, much later).
+      const std::shared_ptr<Slot> keep = it->second;
+      Slot& s = *keep;
       std::lock_guard<std::mutex> lock(s.mu);
       bool stale = s.aborted && now - s.aborted_at > std::chrono::seconds(60);
       if (stale) g_slot_keys.erase(&s);
@@ -112,7 +116,10 @@ void WatchdogLoop() {
     Clock::time_point now = Clock::now(), next = now + std::chrono::seconds(1);
     std::vector<std::pair<std::vector<Completion>, std::string>> expired;
     for (auto it = g_pending.begin(); it != g_pending.end();) {
-      Slot& s = **it;
+      // g_pending often holds a finished slot's last reference: keep it past
+      // the unlock (see PruneLocked).
+      const std::shared_ptr<Slot> keep = *it;
+      Slot& s = *keep;
       std::lock_guard<std::mutex> slock(s.mu);
       if (s.arrived == s.n || s.aborted) {
         it = g_pending.erase(it);

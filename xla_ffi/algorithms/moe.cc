@@ -542,10 +542,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, const
       if (moved + zeroed > 0)
         stats.AddLaneBytes(true, devices[task.rank], static_cast<int>(task.chunk % p.engines),
                            p.engines, 2 * moved + zeroed);
-      if (moved > 0) {
-        if (direct) stats.bytes_direct += moved;
-        stats.bytes_exchanged += moved;
-      }
+      stats.AddExchanged(moved, direct);
     };
     phases.push_back(std::move(exchange));
     // Results leave the comm buffers only once every row has arrived; no
@@ -616,10 +613,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
         if (touched > 0)
           stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores),
                              p.cores, touched);
-        if (rows > 0) {
-          if (direct) stats.bytes_direct += rows * rb;
-          stats.bytes_exchanged += rows * rb;
-        }
+        stats.AddExchanged(rows * rb, direct);
       };
     });
     phases.push_back(std::move(combine));
@@ -721,10 +715,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
         }
         Stats& stats = GlobalStats();
         if (touched > 0) stats.AddLaneBytes(false, npu, lane, p.cores, touched);
-        if (moved > 0) {
-          if (direct) stats.bytes_direct += moved;
-          stats.bytes_exchanged += moved;
-        }
+        stats.AddExchanged(moved, direct);
       };
     });
     phases.push_back(std::move(backward));

@@ -237,45 +237,35 @@ Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, std::vector<int32_
   Phase phase;
   phase.count = plan->chunk_starts.size() - 1;
   phase.run = [plan, v = std::move(v), devices = std::move(devices), direct](uint64_t chunk) {
-    const uint32_t task_begin = plan->chunk_starts[chunk], task_end = plan->chunk_starts[chunk + 1];
     std::vector<Stats::LaneBytes> lane_bytes;
-    for (uint32_t i = task_begin; i < task_end; ++i) {
+    int64_t written = 0;
+    uint32_t run_transfer = 0;
+    int64_t run_c0 = 0, run_c1 = 0;  // the open run; empty when run_c1 == run_c0
+    for (uint32_t i = plan->chunk_starts[chunk]; i < plan->chunk_starts[chunk + 1]; ++i) {
       const LaneTask& task = plan->tasks[i];
-      int64_t touched = 0, c0, c1;
+      int64_t touched = 0;
       for (uint32_t pi = task.piece_begin; pi < task.piece_end; ++pi) {
         const Piece& piece = plan->pieces[pi];
         const Transfer& t = plan->transfers[piece.transfer];
-        if (Clip(piece, v, &c0, &c1)) touched += (c1 - c0) * (t.src_count + t.dst_count) * v.rows;
+        int64_t c0, c1;
+        if (!Clip(piece, v, &c0, &c1)) continue;
+        touched += (c1 - c0) * (t.src_count + t.dst_count) * v.rows;
+        if (piece.transfer == run_transfer && c0 == run_c1 && run_c1 > run_c0) {
+          run_c1 = c1;  // the next lane's range continues the run
+          continue;
+        }
+        if (run_c1 > run_c0) written += RunColumns(*plan, run_transfer, run_c0, run_c1, v);
+        run_transfer = piece.transfer;
+        run_c0 = c0;
+        run_c1 = c1;
       }
       if (touched > 0) lane_bytes.push_back({devices[task.npu], task.lane, touched});
     }
-    // Pieces of consecutive tasks are consecutive in plan->pieces.
-    const uint32_t first = plan->tasks[task_begin].piece_begin;
-    const uint32_t last = plan->tasks[task_end - 1].piece_end;
-    int64_t written = 0;
-    bool open = false;
-    uint32_t run_transfer = 0;
-    int64_t run_c0 = 0, run_c1 = 0;
-    for (uint32_t pi = first; pi < last; ++pi) {
-      const Piece& piece = plan->pieces[pi];
-      int64_t c0, c1;
-      if (!Clip(piece, v, &c0, &c1)) continue;
-      if (open && piece.transfer == run_transfer && c0 == run_c1) {
-        run_c1 = c1;
-        continue;
-      }
-      if (open) written += RunColumns(*plan, run_transfer, run_c0, run_c1, v);
-      open = true;
-      run_transfer = piece.transfer;
-      run_c0 = c0;
-      run_c1 = c1;
-    }
-    if (open) written += RunColumns(*plan, run_transfer, run_c0, run_c1, v);
+    if (run_c1 > run_c0) written += RunColumns(*plan, run_transfer, run_c0, run_c1, v);
     if (v.streaming) StoreFence();
     Stats& stats = GlobalStats();
     stats.AddLaneBytes(!plan->is_reduction(), plan->lanes_per_npu, lane_bytes);
-    stats.bytes_exchanged += written;
-    if (direct) stats.bytes_direct += written;
+    stats.AddExchanged(written, direct);
   };
   return phase;
 }

@@ -32,6 +32,13 @@ struct Stats {
   };
   // One lock for a batch of lanes (a host chunk's worth).
   void AddLaneBytes(bool sdma, int lanes, const std::vector<LaneBytes>& batch);
+  // Bytes a transfer wrote into destinations; `direct`: straight between
+  // user buffers (strata mode), not through comm buffers.
+  void AddExchanged(int64_t bytes, bool direct) {
+    if (bytes <= 0) return;
+    bytes_exchanged += bytes;
+    if (direct) bytes_direct += bytes;
+  }
   void Reset();
 };
 

@@ -26,7 +26,7 @@ import math
 import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -389,25 +389,25 @@ def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, 
                 x, base["alloc"] = _device_put(inp.reshape(-1), sharding, args.alloc, strata)
             except Exception as e:
                 xerr = e
-        size_rows, timed = [], []
+        size_rows, prepared = [], []
         for impl, mode in variants:
             tick(f"{op} {common.format_size(base['size'])} {impl}{'/' + mode if mode else ''}")
             row = dict(base, impl=impl, mode=mode)
             if xerr is not None:
                 row.update(common.failure(xerr))
             else:
-                prepared = _prepare(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode,
-                                    strata, strata_reason, mode_skips)
-                if prepared is not None:
-                    timed.append((row, *prepared))
+                ready = _prepare(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode,
+                                 strata, strata_reason, mode_skips)
+                if ready is not None:
+                    prepared.append((row, *ready))
             size_rows.append(row)
-        _time_rounds(base, size_rows, timed, args, x, mesh, ax, n, strata)
+        _time_rounds(base, size_rows, prepared, args, x, mesh, ax, n, strata)
         for row in size_rows:
             rows.append(row)
             if args.rows_jsonl:  # as soon as measured: a later abort must not lose it
                 with open(args.rows_jsonl, "a") as f:
                     f.write(json.dumps(common.jsonable(row)) + "\n")
-        del x, timed
+        del x, prepared
     return rows
 
 
@@ -520,20 +520,29 @@ def _launch_program(mesh, ax):
     return jax.jit(jax.shard_map(lambda v: v[:1] + 1, mesh=mesh, in_specs=P(ax), out_specs=P(ax)))
 
 
-def _time_rounds(base, size_rows, timed, args, x, mesh, ax, n, strata) -> None:
+@dataclass
+class _Timed:
+    """One prepared variant of a size and what its rounds measured."""
+    row: dict
+    fn: Callable
+    ctx: Callable
+    iters: int
+    blocks: list = field(default_factory=list)  # per-call mean of each round's block (us)
+    calls: int = 0  # calls timed or warmed up in the rounds
+    stats: dict = field(default_factory=dict)  # strata's scalar counters over those calls
+
+
+def _time_rounds(base, size_rows, prepared, args, x, mesh, ax, n, strata) -> None:
     """--repeats rounds, each: one block of every prepared variant, the launch reference and
     the memory floor. Medians over rounds go into the rows."""
+    timed = [_Timed(row, fn, ctx, args.iters) for row, fn, ctx in prepared]
     launch = _launch_program(mesh, ax) if timed and x is not None else None
-    floor_samples, launch_samples = [], []
-    blocks = {id(row): [] for row, *_ in timed}
-    iters = {id(row): args.iters for row, *_ in timed}
-    calls = {id(row): 0 for row, *_ in timed}
-    totals = {id(row): {} for row, *_ in timed}
     if launch is not None:
         try:
             launch(x).block_until_ready()
         except Exception:
             launch = None
+    floor_samples, launch_samples = [], []
     for _ in range(max(1, args.repeats)):
         floor_samples.append(common.floor_copy_us(base["floor_bytes"], ranks=n,
                                                   out_bytes=base["out_bytes"],
@@ -543,45 +552,46 @@ def _time_rounds(base, size_rows, timed, args, x, mesh, ax, n, strata) -> None:
                                      first_call=False, max_seconds=args.max_seconds,
                                      sync_every=args.sync_every)
             launch_samples.append(t.mean_us)
-        for row, fn, ctx in timed:
-            if row["status"] != "ok":
+        for v in timed:
+            if v.row["status"] != "ok":
                 continue
+            strata_row = v.row["impl"] == "strata"
             try:
-                with ctx():
-                    if row["impl"] == "strata":
+                with v.ctx():
+                    if strata_row:
                         common.reset_strata_stats(strata)
-                    t, out = common.time_calls(fn, (x,), iters=iters[id(row)],
+                    t, out = common.time_calls(v.fn, (x,), iters=v.iters,
                                                warmup=args.warmup_iters, first_call=False,
                                                max_seconds=args.max_seconds,
                                                sync_every=args.sync_every)
                     del out
-                    stats = common.strata_stats(strata) if row["impl"] == "strata" else None
+                    stats = common.strata_stats(strata) if strata_row else None
             except Exception as e:
-                row.update(common.failure(e))
+                v.row.update(common.failure(e))
                 continue
-            iters[id(row)] = t.iters  # --max-seconds settles it in the first round
-            calls[id(row)] += t.warmup + t.iters
-            blocks[id(row)].append(t.mean_us)
-            for k, v in (stats or {}).items():  # scalar counters only (per-core lists swamp JSON)
-                if isinstance(v, (int, float)):
-                    totals[id(row)][k] = totals[id(row)].get(k, 0) + v
-    base_floor = float(np.median(floor_samples)) if floor_samples else \
-        common.floor_copy_us(base["floor_bytes"], ranks=n, out_bytes=base["out_bytes"],
-                             in_bytes=base["size"])
-    base_launch = float(np.median(launch_samples)) if launch_samples else None
+            v.iters = t.iters  # --max-seconds settles it in the first round
+            v.calls += t.warmup + t.iters
+            v.blocks.append(t.mean_us)
+            for k, val in (stats or {}).items():  # scalar counters only (lists swamp the JSON)
+                if isinstance(val, (int, float)):
+                    v.stats[k] = v.stats.get(k, 0) + val
+    floor_us = float(np.median(floor_samples))
+    launch_us = float(np.median(launch_samples)) if launch_samples else None
     for row in size_rows:
-        row["floor_us"], row["launch_us"] = base_floor, base_launch
-        if row.get("status") != "ok" or not blocks.get(id(row)):
+        row["floor_us"], row["launch_us"] = floor_us, launch_us
+    for v in timed:
+        row = v.row
+        if row["status"] != "ok" or not v.blocks:
             continue
-        t = float(np.median(blocks[id(row)]))
-        row.update(time_us=t, iters=iters[id(row)], rounds_us=blocks[id(row)])
+        t = float(np.median(v.blocks))
+        row.update(time_us=t, iters=v.iters, rounds_us=v.blocks)
         row["algbw"] = row["s_bytes"] / (t * 1e-6) / 1e9
         row["busbw"] = row["algbw"] * row["bus_factor"]
-        row["floor_share"] = base_floor / t
-        if base_launch is not None and t > base_launch:
-            row["floor_share_net"] = base_floor / (t - base_launch)
-        if totals[id(row)] and calls[id(row)]:
-            row["stats_per_call"] = {k: v / calls[id(row)] for k, v in totals[id(row)].items()}
+        row["floor_share"] = floor_us / t
+        if launch_us is not None and t > launch_us:
+            row["floor_share_net"] = floor_us / (t - launch_us)
+        if v.stats and v.calls:
+            row["stats_per_call"] = {k: val / v.calls for k, val in v.stats.items()}
 
 
 COLS = [Col("size", "size", "(B)", "d", 10), Col("count", "count", "(elements)", "d", 10),

@@ -288,35 +288,34 @@ def time_calls(fn: Callable, args: tuple, *, iters: int, warmup: int, repeats: i
         first = time.perf_counter() - t0
         if chain is not None:
             args = chain(args, out)
-    t0 = time.perf_counter()
-    for j in range(warmup):
-        out = fn(*args)
-        if chain is not None:
-            args = chain(args, out)
-        if (j + 1) % sync_every == 0:
-            jax.block_until_ready(out)
-    jax.block_until_ready(out)
-    per_call = (time.perf_counter() - t0) / warmup if warmup else first
-    if max_seconds > 0 and per_call > 0:
-        iters = max(1, min(iters, int(max_seconds / repeats / per_call)))
-    blocks, total = [], 0.0
-    for _ in range(max(1, repeats)):
+
+    def issue(calls: int, out, args):
+        """`calls` back-to-back calls, blocking every `sync_every` and after the last;
+        returns (last output, args, seconds)."""
         t0 = time.perf_counter()
-        for k in range(iters):
+        for k in range(calls):
             out = fn(*args)
             if chain is not None:
                 args = chain(args, out)
             if (k + 1) % sync_every == 0:
                 jax.block_until_ready(out)
         jax.block_until_ready(out)
-        dt = time.perf_counter() - t0
+        return out, args, time.perf_counter() - t0
+
+    out, args, dt = issue(warmup, out, args)
+    per_call = dt / warmup if warmup else first
+    if max_seconds > 0 and per_call > 0:
+        iters = max(1, min(iters, int(max_seconds / repeats / per_call)))
+    blocks, total = [], 0.0
+    for _ in range(max(1, repeats)):
+        out, args, dt = issue(iters, out, args)
         total += dt
         blocks.append(dt / iters * 1e6)
     timing = Timing(float(np.median(blocks)), iters, warmup, first, total, blocks)
     return (timing, (out, args)) if chain is not None else (timing, out)
 
 
-_FLOOR_BUFFERS: dict = {}
+_FLOOR_INPUTS: np.ndarray | None = None
 
 
 # How many calls' outputs XLA:CPU keeps alive in the timed loops (the host blocks every
@@ -341,7 +340,7 @@ def floor_copy_us(nbytes_read_plus_written: int, ranks: int = 1, out_bytes: int 
     ranks = max(1, ranks)
     copy = max(1, out_bytes, nbytes_read_plus_written // 2 // ranks)
     stride = max(1, in_bytes)
-    pool = _floor_buffers("inputs", 1, max(copy, ranks * stride))[0]
+    pool = _floor_inputs(max(copy, ranks * stride))
     srcs = [pool[o:o + copy] for o in (min(r * stride, pool.size - copy) for r in range(ranks))]
     window = max(1, min(SYNC_EVERY, FLOOR_WINDOW_BYTES // (ranks * copy)))
     alive: list[list[np.ndarray]] = []
@@ -364,18 +363,16 @@ def floor_copy_us(nbytes_read_plus_written: int, ranks: int = 1, out_bytes: int 
         if rep > window:  # the first window fills the allocator's state as the op's calls do
             times.append(dt)
             spent += dt
-    alive.clear()
     return float(np.median(times)) * 1e6
 
 
-def _floor_buffers(kind: str, ranks: int, nbytes: int) -> list[np.ndarray]:
-    """Per-rank touched buffers for the floor copies (cached per kind and shape)."""
-    key = (ranks, nbytes)
-    if _FLOOR_BUFFERS.get(kind, (None,))[0] != key:
-        _FLOOR_BUFFERS.pop(kind, None)  # free the old set before making the new one
-        # ones: touched pages, not the shared zero page
-        _FLOOR_BUFFERS[kind] = (key, [np.ones(nbytes, dtype=np.uint8) for _ in range(ranks)])
-    return _FLOOR_BUFFERS[kind][1]
+def _floor_inputs(nbytes: int) -> np.ndarray:
+    """The floor's touched input pool (cached: made once per size)."""
+    global _FLOOR_INPUTS
+    if _FLOOR_INPUTS is None or _FLOOR_INPUTS.size != nbytes:
+        _FLOOR_INPUTS = None  # free the old pool before making the new one
+        _FLOOR_INPUTS = np.ones(nbytes, dtype=np.uint8)  # ones: touched, not the zero page
+    return _FLOOR_INPUTS
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ from . import _runtime_setup
 # multi-device programs cannot deadlock XLA:CPU (FACTS.md §1b).
 _runtime_setup.install()
 
+from . import _lifecycle  # noqa: E402
+
+# Exit and Ctrl-C abort ops still waiting for peers instead of waiting them out.
+_lifecycle.install()
+
 from . import emulator  # noqa: E402
 from . import memory  # noqa: E402
 from . import moe  # noqa: E402

@@ -17,6 +17,16 @@ from . import _config
 from . import _core
 
 # Register every handler once, for the CPU platform (emulated NPUs are CPU devices).
+# The state type first: each target's instantiate stage gives every custom-call
+# instruction its own identity, which the ranks meet by.
+# jaxlib 0.10.2 installs its deferred CPU handlers for targets before the one
+# for types when the backend starts, so a type registered before the backend
+# reaches XLA only after the targets that use it, which XLA rejects. Install
+# the type handler now (make_cpu_client then keeps ours: the same function).
+from jax._src.lib import xla_client as _xla_client  # noqa: E402
+
+_xla_client.register_custom_type_handler("cpu", _xla_client._xla.register_custom_type)
+jax.ffi.register_ffi_type("strata_site_instance", _core.site_instance_type(), platform="cpu")
 for _name, _capsule in _core.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 

@@ -134,13 +134,19 @@ def dispatch(x, topk_idx, *, axis_name, num_experts: int, capacity: int):
     if num_experts % n:
         raise ValueError(f"{DISPATCH}: num_experts={num_experts} is not divisible by the {n} ranks of {axes}")
     _check_ids_if_known(topk_idx, num_experts)
-    if np.dtype(topk_idx.dtype).itemsize > 4 or np.dtype(topk_idx.dtype) == np.uint32:
-        # Keep ids that int32 cannot hold out of range instead of letting them wrap into it.
-        topk_idx = jnp.clip(topk_idx, -1, num_experts)
-    idx = _ffi.make_varying(topk_idx.astype(jnp.int32), axes)
+    if np.dtype(topk_idx.dtype) == np.uint64:  # past int64's range is out of range either way
+        topk_idx = jnp.minimum(topk_idx, np.iinfo(np.int64).max).astype(jnp.int64)
+    elif np.dtype(topk_idx.dtype) not in _IDS_AS_GIVEN:
+        topk_idx = topk_idx.astype(jnp.int32)  # narrower ids: exact in int32
+    # Wide ids go to the runtime as they are, so an id outside [0, num_experts)
+    # is reported as the user gave it (a cast would wrap it, a clip would hide it).
+    idx = _ffi.make_varying(topk_idx, axes)
     x = _ffi.make_varying(x, axes)
     recv_x, pair_slot, slot_source, counts, dropped = _dispatch(x, idx, axes, num_experts, capacity)
     return recv_x, DispatchHandle(counts, dropped, pair_slot, slot_source, axes)
+
+
+_IDS_AS_GIVEN = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "uint8"))
 
 
 def _check_ids_if_known(topk_idx, num_experts):

@@ -28,6 +28,15 @@ std::string MoeParams::Describe(const char* opname) const {
   return os.str();
 }
 
+int64_t ExpertIds::At(int64_t i) const {
+  switch (dtype) {
+    case DType::S64: return static_cast<const int64_t*>(data)[i];
+    case DType::U32: return static_cast<const uint32_t*>(data)[i];
+    case DType::U8: return static_cast<const uint8_t*>(data)[i];
+    default: return static_cast<const int32_t*>(data)[i];
+  }
+}
+
 DType MoeWeightDType(DType rows) { return rows == DType::F64 ? DType::F64 : DType::F32; }
 
 bool MoeSupportsCombine(DType rows) {
@@ -350,7 +359,46 @@ struct RankState {
   // An error the group agreed on, set on every rank by the starter: each rank
   // reports it as is, not behind the last arriver's prefix.
   std::string error;
+  // What this rank found wrong in its own operands before joining (a bad
+  // expert id, a layout value out of range), if anything.
+  std::string bad;
 };
+
+// The prefix every MoE error carries: which op, where, which rank.
+std::string Where(const char* opname, const MoeParams& p, const MoeCall& c) {
+  std::ostringstream os;
+  os << opname << " (call site " << c.site_id << ", group " << c.group_id << ", rank " << c.rank
+     << " of " << p.group_size << ", device " << c.device << "): ";
+  return os.str();
+}
+
+// First value of `values[0, count)` outside [-1, limit), as an error naming
+// the handle field; empty when all are in range. -1 marks an empty entry.
+std::string CheckLayout(const std::string& where, const char* field, const int32_t* values,
+                        int64_t count, int64_t limit) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (values[i] >= -1 && values[i] < limit) continue;
+    std::ostringstream os;
+    os << where << "DispatchHandle." << field << "[" << i << "] = " << values[i]
+       << " is outside [-1, " << limit << "): the handle does not come from this group's "
+       << "strata.moe.dispatch, or was modified";
+    return os.str();
+  }
+  return "";
+}
+
+// When some rank found its operands bad, every rank gets the first such
+// error and nothing runs (no peer buffer has been touched). True if so.
+template <typename R>
+bool AgreeOnBad(const std::vector<R*>& ranks) {
+  for (R* r : ranks) {
+    if (r->bad.empty()) continue;
+    const std::string why = r->bad;
+    for (R* other : ranks) other->error = why;
+    return true;
+  }
+  return false;
+}
 
 // Below this many bytes moved by the whole group, handing the op to the
 // workers costs more than the work: the last rank in does it on the spot.
@@ -407,10 +455,9 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
 
 struct DispatchRank : RankState {
   using RankState::RankState;
-  const int32_t* topk_idx = nullptr;
+  std::vector<int32_t> topk_idx;  // checked ids, in range
   int32_t *pair_slot = nullptr, *slot_source = nullptr, *recv_counts = nullptr, *dropped = nullptr;
   std::vector<int64_t> counts;  // this rank's pairs per expert
-  std::string bad;              // this rank's first bad expert id, if any
 };
 
 // What the last rank to arrive at a dispatch works out for the group.
@@ -422,7 +469,7 @@ struct DispatchLayout {
 
 }  // namespace
 
-void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, const int32_t* topk_idx,
+void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, ExpertIds topk_idx,
                       void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
                       int32_t* dropped, MoeDone done) {
   Status st = CheckCall(kDispatchName, p, c);
@@ -435,26 +482,28 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, const
   auto me = std::make_shared<DispatchRank>(kDispatchName, p, c.device,
                                            std::vector<RowBuffers::In>{{x, p.tokens * rb}},
                                            std::vector<RowBuffers::Out>{{recv_x, el * cap * rb}});
-  me->topk_idx = topk_idx;
   me->pair_slot = pair_slot;
   me->slot_source = slot_source;
   me->recv_counts = recv_counts;
   me->dropped = dropped;
   // This rank's pairs per expert, and the first bad id (reported by everyone,
   // before anyone touches a peer's buffer). Only this rank's buffers are
-  // read, so it happens before joining.
+  // read, so it happens before joining. The ids are copied as int32 once
+  // checked: XLA may not reuse topk_idx before we complete, but a copy keeps
+  // the placement phase free of width switches.
   me->counts.assign(num_e, 0);
+  me->topk_idx.assign(pairs, 0);
   for (int64_t i = 0; i < pairs; ++i) {
-    const int32_t e = topk_idx[i];
+    const int64_t e = topk_idx.At(i);
     if (e < 0 || e >= num_e) {
       std::ostringstream os;
-      os << kDispatchName << " (call site " << c.site_id << ", group " << c.group_id << ", rank "
-         << c.rank << " of " << n << ", device " << c.device << "): token " << i / p.topk
-         << ", k=" << i % p.topk << " is routed to expert id " << e << ", outside [0, " << num_e
-         << ")";
+      os << Where(kDispatchName, p, c) << "token " << i / p.topk << ", k=" << i % p.topk
+         << " is routed to expert id " << e << ", outside [0, " << num_e << ")";
       me->bad = os.str();
+      me->counts.assign(num_e, 0);
       break;
     }
+    me->topk_idx[i] = static_cast<int32_t>(e);
     me->counts[e]++;
   }
   st = me->rows.Acquire();
@@ -566,6 +615,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   auto me = std::make_shared<RankState>(kCombineName, p, c.device,
                                         std::vector<RowBuffers::In>{{expert_y, slots_per_rank * rb}},
                                         std::vector<RowBuffers::Out>{{y, p.tokens * rb}});
+  me->bad = CheckLayout(Where(kCombineName, p, c), "pair_slot", pair_slot, p.tokens * k_top, all_slots);
   st = me->rows.Acquire();
   if (!st.ok) return done(st);
   GlobalStats().ops++;
@@ -576,6 +626,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   Launch(kCombineName, p, c, std::move(me), std::move(ptrs),
          [p, n, h, k_top, rb, slots_per_rank, all_slots](Slot& s, std::shared_ptr<Job>* job) -> Status {
     std::vector<RankState*> ranks = Ranks<RankState>(s);
+    if (AgreeOnBad(ranks)) return Status::Ok();
     const bool direct = ranks[0]->rows.direct();
     std::vector<Phase> phases;
     if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
@@ -600,7 +651,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
           std::fill(acc.begin(), acc.end(), A(0));
           for (int64_t k = 0; k < k_top; ++k) {
             const int64_t slot = slots[t * k_top + k];
-            if (slot < 0 || slot >= all_slots) continue;
+            if (slot < 0) continue;  // dropped (values were checked before joining)
             const T* row = static_cast<const T*>(ptrs[slot / slots_per_rank][kEy]) +
                            (slot % slots_per_rank) * h;
             Axpy(acc.data(), row, w[t * k_top + k], h);
@@ -623,6 +674,39 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   }, std::move(done));
 }
 
+namespace {
+// Every kept pair's slot names it as its source, and every filled slot's
+// source pair points back at it. Pointers as published by the backward op.
+std::string CrossCheckLayout(const Slot& s, int n, int64_t pairs, int64_t slots_per_rank) {
+  enum { kPairSlot = 3, kSlotSource = 4 };
+  int64_t kept = 0, filled = 0;
+  for (int r = 0; r < n; ++r) {
+    const int32_t* pair_slot = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
+    const int32_t* slot_source = static_cast<const int32_t*>(s.ptrs[r][kSlotSource]);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int32_t slot = pair_slot[i];
+      if (slot < 0) continue;
+      kept++;
+      const int32_t* owner = static_cast<const int32_t*>(s.ptrs[slot / slots_per_rank][kSlotSource]);
+      if (owner[slot % slots_per_rank] == r * pairs + i) continue;
+      std::ostringstream os;
+      os << kCombineBwdName << " (call site " << s.site_id << ", group " << s.group_id
+         << "): DispatchHandle fields disagree: rank " << r << " pair_slot[" << i << "] = " << slot
+         << " but that slot's slot_source is " << owner[slot % slots_per_rank]
+         << "; the handle was modified or mixes two dispatches";
+      return os.str();
+    }
+    for (int64_t j = 0; j < slots_per_rank; ++j) filled += slot_source[j] >= 0;
+  }
+  if (kept == filled) return "";
+  std::ostringstream os;
+  os << kCombineBwdName << " (call site " << s.site_id << ", group " << s.group_id
+     << "): DispatchHandle fields disagree: " << kept << " pairs have a slot but " << filled
+     << " slots have a source; the handle was modified or mixes two dispatches";
+  return os.str();
+}
+}  // namespace
+
 void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* ct_y,
                              const void* expert_y, const void* weights, const int32_t* pair_slot,
                              const int32_t* slot_source, void* d_expert_y, void* d_weights,
@@ -641,6 +725,10 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
       kCombineBwdName, p, c.device,
       std::vector<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}, {weights, pairs * wsize}},
       std::vector<RowBuffers::Out>{{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
+  me->bad = CheckLayout(Where(kCombineBwdName, p, c), "pair_slot", pair_slot, pairs, all_slots);
+  if (me->bad.empty())
+    me->bad = CheckLayout(Where(kCombineBwdName, p, c), "slot_source", slot_source, slots_per_rank,
+                          n * pairs);
   st = me->rows.Acquire();
   if (!st.ok) return done(st);
   GlobalStats().ops++;
@@ -652,6 +740,13 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   Launch(kCombineBwdName, p, c, std::move(me), std::move(ptrs),
          [p, n, h, k_top, rb, slots_per_rank, all_slots, pairs](Slot& s, std::shared_ptr<Job>* job) -> Status {
     std::vector<RankState*> ranks = Ranks<RankState>(s);
+    if (AgreeOnBad(ranks)) return Status::Ok();
+    // In range is not enough: the two fields must describe one layout, or a
+    // row's gradient would go to a token that never sent it.
+    if (std::string bad = CrossCheckLayout(s, n, pairs, slots_per_rank); !bad.empty()) {
+      for (RankState* r : ranks) r->error = bad;
+      return Status::Ok();
+    }
     const bool direct = ranks[0]->rows.direct();
     std::vector<Phase> phases;
     if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
@@ -699,7 +794,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
           for (int64_t t = task.first; t < task.end; ++t) {
             for (int64_t k = 0; k < k_top; ++k) {
               const int64_t slot = slots[t * k_top + k];
-              if (slot < 0 || slot >= all_slots) {
+              if (slot < 0) {
                 dw[t * k_top + k] = 0;
                 continue;
               }

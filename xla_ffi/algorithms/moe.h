@@ -59,11 +59,22 @@ using MoeDone = std::function<void(const Status&)>;
 // x [T, H], topk_idx [T, K] -> recv_x [E_local, C, H] (rows past the count
 // zeroed), pair_slot [T, K], slot_source [E_local, C], recv_counts [E_local],
 // dropped (pairs of this rank that found their expert full).
-void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, const int32_t* topk_idx,
+// Expert ids as the user gave them: any integer width, so an id that int32
+// cannot hold is reported as given, not as what a cast made of it.
+struct ExpertIds {
+  const void* data = nullptr;
+  DType dtype = DType::S32;  // S32, S64, U32 or U8 (anything else is cast to S32 before)
+  int64_t At(int64_t i) const;
+};
+
+void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, ExpertIds topk_idx,
                       void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
                       int32_t* dropped, MoeDone done);
 
 // y[t] = sum_k weights[t, k] * expert_y[slot of (t, k)], dropped pairs adding 0.
+// Layout operands (pair_slot, slot_source) come from a DispatchHandle the
+// user may have changed: every value is checked before it indexes a buffer,
+// and one out of range is an error naming the op, the rank and the value.
 void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
                      const void* weights, const int32_t* pair_slot, void* y, MoeDone done);
 

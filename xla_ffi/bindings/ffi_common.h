@@ -37,12 +37,31 @@ inline std::optional<DType> ToDType(ffi::DataType t) {
   }
 }
 
+// One custom-call instruction of one compiled program. XLA creates it (in the
+// FFI "instantiate" stage) once per instruction of an executable, and every
+// device running that executable is handed the same one. The trace-time
+// site_id cannot tell instructions apart: jax lowers a jitted helper once and
+// calls it from every call site, so two calls, or both branches of a
+// lax.cond, carry one site_id; after XLA inlines them they are separate
+// instructions, each with its own instance.
+struct SiteInstance {
+  static inline ffi::TypeId id = {};
+  int64_t instance = 0;
+};
+
+// Instance ids: unique in the process, so slots of two instructions never meet.
+ffi::ErrorOr<std::unique_ptr<SiteInstance>> NewSiteInstance();
+// For jax.ffi.register_ffi_type.
+const XLA_FFI_TypeInfo* SiteInstanceTypeInfo();
+
 // Who is calling, from the handler's context and the (rank, group) operand.
 inline CallSite DecodeCallSite(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32>& meta,
-                               int64_t site_id, int64_t timeout_ms) {
+                               int64_t site_id, int64_t timeout_ms,
+                               const SiteInstance* instance = nullptr) {
   CallSite c;
   c.run_id = run.run_id;
   c.site_id = site_id;
+  c.instance_id = instance ? instance->instance : 0;
   c.rank = meta.typed_data()[0];
   c.group_id = meta.typed_data()[1];
   c.device = device;

@@ -3,6 +3,8 @@
 #include "handlers.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -31,7 +33,7 @@ ffi::Future Invalid(OpKind kind, const std::string& why) {
 constexpr int64_t kBriefWaitUs = 500;
 template <OpKind kKind>
 ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
-                          ffi::AnyBuffer x, ffi::Buffer<ffi::S32> meta,
+                          ffi_common::SiteInstance* instance, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> meta,
                           ffi::Result<ffi::AnyBuffer> out, int64_t site_id, int32_t reduce_op,
                           int32_t root, ffi::Span<const int32_t> perm, int32_t group_size,
                           int32_t num_devices, int64_t block_bytes, int32_t mode, int32_t cores,
@@ -70,7 +72,7 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   if (in_row == 0) return ffi_common::Ready();  // nothing to move on any rank
 
   RankCall c;
-  static_cast<CallSite&>(c) = ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms);
+  static_cast<CallSite&>(c) = ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance);
   c.in = x.untyped_data();
   c.out = out->untyped_data();
   ffi_common::BriefWait wait{std::chrono::microseconds{kBriefWaitUs}};
@@ -79,7 +81,26 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
 }
 
 }  // namespace
+
+namespace ffi_common {
+ffi::ErrorOr<std::unique_ptr<SiteInstance>> NewSiteInstance() {
+  static std::atomic<int64_t> next{int64_t{1} << 40};  // apart from trace-time site ids
+  auto instance = std::make_unique<SiteInstance>();
+  instance->instance = next++;
+  return instance;
+}
+
+const XLA_FFI_TypeInfo* SiteInstanceTypeInfo() {
+  static const XLA_FFI_TypeInfo info = {
+      XLA_FFI_TypeInfo_STRUCT_SIZE, nullptr,
+      [](void* object) { delete static_cast<SiteInstance*>(object); }};
+  return &info;
+}
+}  // namespace ffi_common
 }  // namespace strata
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataSiteInstantiate, strata::ffi_common::NewSiteInstance,
+                              ffi::Ffi::BindInstantiate());
 
 #define STRATA_DEFINE_COLLECTIVE(symbol, kind)                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, strata::CollectiveImpl<kind>, \
@@ -87,6 +108,7 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                                     .Ctx<ffi::DeviceOrdinal>()        \
                                     .Ctx<ffi::RunId>()                \
                                     .Ctx<ffi::ThreadPool>()           \
+                                    .Ctx<ffi::State<strata::ffi_common::SiteInstance>>() \
                                     .Arg<ffi::AnyBuffer>()            \
                                     .Arg<ffi::Buffer<ffi::S32>>()     \
                                     .Ret<ffi::AnyBuffer>()            \

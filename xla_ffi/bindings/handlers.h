@@ -9,4 +9,7 @@ XLA_FFI_Error* StrataReduceScatter(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* StrataAllToAll(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* StrataBroadcast(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* StrataPermute(XLA_FFI_CallFrame* call_frame);
+// The "instantiate" stage every strata target shares (a SiteInstance per
+// custom-call instruction).
+XLA_FFI_Error* StrataSiteInstantiate(XLA_FFI_CallFrame* call_frame);
 }

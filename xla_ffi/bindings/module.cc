@@ -17,6 +17,7 @@
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
+#include "ffi_common.h"
 #include "handlers.h"
 #include "moe_handlers.h"
 
@@ -30,17 +31,33 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// Each target: its execute handler and the shared instantiate stage (one
+// SiteInstance per custom-call instruction, which ranks meet by).
 nb::dict Registrations() {
+  auto target = [](auto* execute) {
+    nb::dict stages;
+    stages["instantiate"] = EncapsulateFfiHandler(StrataSiteInstantiate);
+    stages["execute"] = EncapsulateFfiHandler(execute);
+    return stages;
+  };
   nb::dict d;
-  d["strata_all_reduce"] = EncapsulateFfiHandler(StrataAllReduce);
-  d["strata_all_gather"] = EncapsulateFfiHandler(StrataAllGather);
-  d["strata_reduce_scatter"] = EncapsulateFfiHandler(StrataReduceScatter);
-  d["strata_all_to_all"] = EncapsulateFfiHandler(StrataAllToAll);
-  d["strata_broadcast"] = EncapsulateFfiHandler(StrataBroadcast);
-  d["strata_ppermute"] = EncapsulateFfiHandler(StrataPermute);
-  d["strata_moe_dispatch"] = EncapsulateFfiHandler(StrataMoeDispatch);
-  d["strata_moe_combine"] = EncapsulateFfiHandler(StrataMoeCombine);
-  d["strata_moe_combine_backward"] = EncapsulateFfiHandler(StrataMoeCombineBackward);
+  d["strata_all_reduce"] = target(StrataAllReduce);
+  d["strata_all_gather"] = target(StrataAllGather);
+  d["strata_reduce_scatter"] = target(StrataReduceScatter);
+  d["strata_all_to_all"] = target(StrataAllToAll);
+  d["strata_broadcast"] = target(StrataBroadcast);
+  d["strata_ppermute"] = target(StrataPermute);
+  d["strata_moe_dispatch"] = target(StrataMoeDispatch);
+  d["strata_moe_combine"] = target(StrataMoeCombine);
+  d["strata_moe_combine_backward"] = target(StrataMoeCombineBackward);
+  return d;
+}
+
+// For jax.ffi.register_ffi_type: the SiteInstance state type.
+nb::dict SiteInstanceType() {
+  nb::dict d;
+  d["type_id"] = nb::capsule(reinterpret_cast<void*>(&ffi_common::SiteInstance::id));
+  d["type_info"] = nb::capsule(const_cast<void*>(static_cast<const void*>(ffi_common::SiteInstanceTypeInfo())));
   return d;
 }
 
@@ -144,6 +161,7 @@ void BindMemory(nb::module_& m);  // memory_bindings.cc
 NB_MODULE(_core, m) {
   BindMemory(m);
   m.def("registrations", &Registrations);
+  m.def("site_instance_type", &SiteInstanceType);
   m.def("stats", &GetStats);
   m.def("reset_stats", [] { GlobalStats().Reset(); });
   m.def("register_region", [](int device, uintptr_t addr, int64_t len) {
@@ -157,6 +175,9 @@ NB_MODULE(_core, m) {
   });
   m.def("region_count", [](int device) { return GlobalRegistry().RegionCount(device); });
   m.def("live_slot_count", &LiveSlotCount);
+  m.def("abort_pending", &AbortPending, nb::arg("why"), nb::arg("refuse_new") = false,
+        nb::call_guard<nb::gil_scoped_release>());
+  m.def("install_interrupt_handler", &InstallInterruptHandler);
   m.def("run_ranks", &RunRanks);
   m.def("plan_info", &PlanInfo);
 }

@@ -50,8 +50,8 @@ std::string Shape(ffi::AnyBuffer::Dimensions d) {
 }
 
 MoeCall MakeCall(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32> meta, int64_t site_id,
-                 int64_t timeout_ms) {
-  return ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms);
+                 int64_t timeout_ms, const ffi_common::SiteInstance* instance) {
+  return ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance);
 }
 
 MoeDone Fulfil(ffi::Promise promise) { return ffi_common::Settle(std::move(promise)); }
@@ -59,8 +59,8 @@ MoeDone Fulfil(ffi::Promise promise) { return ffi_common::Settle(std::move(promi
 constexpr const char* kDispatch = "strata.moe.dispatch";
 constexpr const char* kCombine = "strata.moe.combine";
 
-ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi::AnyBuffer x,
-                        ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> meta,
+ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi_common::SiteInstance* instance, ffi::AnyBuffer x,
+                        ffi::AnyBuffer topk_idx, ffi::Buffer<ffi::S32> meta,
                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::Buffer<ffi::S32>> pair_slot,
                         ffi::Result<ffi::Buffer<ffi::S32>> slot_source,
                         ffi::Result<ffi::Buffer<ffi::S32>> recv_counts,
@@ -74,6 +74,15 @@ ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, f
   if (meta.element_count() != 2) return Failed(Invalid(kDispatch, "rank operand must hold (rank, group)"));
   if (group_size < 1 || num_experts < 1 || num_experts % group_size != 0)
     return Failed(Invalid(kDispatch, "num_experts must be a positive multiple of the group size"));
+  ExpertIds ids;
+  ids.data = topk_idx.untyped_data();
+  switch (topk_idx.element_type()) {
+    case ffi::DataType::S32: ids.dtype = DType::S32; break;
+    case ffi::DataType::S64: ids.dtype = DType::S64; break;
+    case ffi::DataType::U32: ids.dtype = DType::U32; break;
+    case ffi::DataType::U8: ids.dtype = DType::U8; break;
+    default: return Failed(Invalid(kDispatch, "topk_idx must be int32, int64, uint32 or uint8"));
+  }
   auto xd = x.dimensions();
   auto id = topk_idx.dimensions();
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0])
@@ -100,8 +109,8 @@ ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, f
     return Failed(Invalid(kDispatch, "result shapes do not match the operands"));
   ffi::Promise promise;
   ffi::Future future(promise);
-  MoeDispatchAsync(p, MakeCall(device, run, meta, site_id, timeout_ms), x.untyped_data(),
-                   topk_idx.typed_data(), recv_x->untyped_data(), pair_slot->typed_data(),
+  MoeDispatchAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance), x.untyped_data(),
+                   ids, recv_x->untyped_data(), pair_slot->typed_data(),
                    slot_source->typed_data(), recv_counts->typed_data(), dropped->typed_data(),
                    Fulfil(promise));
   return future;
@@ -140,7 +149,7 @@ std::optional<ffi::Error> CombineParams(const char* op, ffi::AnyBuffer expert_y,
   return std::nullopt;
 }
 
-ffi::Future CombineImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
+ffi::Future CombineImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi_common::SiteInstance* instance,
                        ffi::AnyBuffer expert_y, ffi::AnyBuffer weights,
                        ffi::Buffer<ffi::S32> pair_slot, ffi::Buffer<ffi::S32> meta,
                        ffi::Result<ffi::AnyBuffer> y, int64_t site_id, int32_t group_size,
@@ -155,13 +164,13 @@ ffi::Future CombineImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
     return Failed(Invalid(kCombine, "y must be [T, H] of expert_y's dtype"));
   ffi::Promise promise;
   ffi::Future future(promise);
-  MoeCombineAsync(p, MakeCall(device, run, meta, site_id, timeout_ms), expert_y.untyped_data(),
+  MoeCombineAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance), expert_y.untyped_data(),
                   weights.untyped_data(), pair_slot.typed_data(), y->untyped_data(),
                   Fulfil(promise));
   return future;
 }
 
-ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
+ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi_common::SiteInstance* instance,
                                ffi::AnyBuffer ct_y, ffi::AnyBuffer expert_y, ffi::AnyBuffer weights,
                                ffi::Buffer<ffi::S32> pair_slot, ffi::Buffer<ffi::S32> slot_source,
                                ffi::Buffer<ffi::S32> meta, ffi::Result<ffi::AnyBuffer> d_expert_y,
@@ -185,7 +194,7 @@ ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool 
     return Failed(Invalid(kCombine, "backward operand shapes do not match"));
   ffi::Promise promise;
   ffi::Future future(promise);
-  MoeCombineBackwardAsync(p, MakeCall(device, run, meta, site_id, timeout_ms),
+  MoeCombineBackwardAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance),
                           ct_y.untyped_data(), expert_y.untyped_data(), weights.untyped_data(),
                           pair_slot.typed_data(), slot_source.typed_data(),
                           d_expert_y->untyped_data(), d_weights->untyped_data(), Fulfil(promise));
@@ -200,8 +209,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataMoeDispatch, strata::DispatchImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::RunId>()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Ctx<ffi::State<strata::ffi_common::SiteInstance>>()
                                   .Arg<ffi::AnyBuffer>()           // x [T, H]
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx [T, K]
+                                  .Arg<ffi::AnyBuffer>()           // topk_idx [T, K], int32/int64/uint32/uint8
                                   .Arg<ffi::Buffer<ffi::S32>>()    // (rank, group)
                                   .Ret<ffi::AnyBuffer>()           // recv_x [E_local, C, H]
                                   .Ret<ffi::Buffer<ffi::S32>>()    // pair_slot [T, K]
@@ -224,6 +234,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataMoeCombine, strata::CombineImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::RunId>()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Ctx<ffi::State<strata::ffi_common::SiteInstance>>()
                                   .Arg<ffi::AnyBuffer>()           // expert_y [E_local, C, H]
                                   .Arg<ffi::AnyBuffer>()           // weights [T, K]
                                   .Arg<ffi::Buffer<ffi::S32>>()    // pair_slot [T, K]
@@ -243,6 +254,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataMoeCombineBackward, strata::CombineBackwardI
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::RunId>()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Ctx<ffi::State<strata::ffi_common::SiteInstance>>()
                                   .Arg<ffi::AnyBuffer>()           // ct_y [T, H]
                                   .Arg<ffi::AnyBuffer>()           // expert_y [E_local, C, H]
                                   .Arg<ffi::AnyBuffer>()           // weights [T, K]

@@ -126,9 +126,11 @@ struct Communicator {
       char* in = static_cast<char*>(std::aligned_alloc(4096, rounded));
       char* out = static_cast<char*>(std::aligned_alloc(4096, rounded));
       if (!in || !out) {
+        // A partial set must never be reused: later ops would index the
+        // missing ranks' buffers. Give back what this attempt took.
         std::free(in);
         std::free(out);
-        ReleaseBuffers(std::move(set));
+        FreeBuffers(*set);
         return nullptr;
       }
       set->in.push_back(in);
@@ -137,6 +139,17 @@ struct Communicator {
       GlobalRegistry().Register(device, reinterpret_cast<uintptr_t>(out), bytes);
     }
     return set;
+  }
+
+  void FreeBuffers(CommBuffers& set) {
+    for (size_t r = 0; r < set.in.size(); ++r) {
+      GlobalRegistry().Deregister(devices[r], reinterpret_cast<uintptr_t>(set.in[r]));
+      GlobalRegistry().Deregister(devices[r], reinterpret_cast<uintptr_t>(set.out[r]));
+      std::free(set.in[r]);
+      std::free(set.out[r]);
+    }
+    set.in.clear();
+    set.out.clear();
   }
 
   void ReleaseBuffers(std::unique_ptr<CommBuffers> set) {
@@ -372,7 +385,10 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
               *job = std::make_shared<Job>();
               if (p.mode == Mode::kBufferCentric) {
                 std::shared_ptr<CommBuffers> buffers = comm->AcquireBuffers(p.comm_buffer_bytes);
-                if (!buffers) return Status::Error("cannot allocate communication buffers");
+                if (!buffers)
+                  return Status::Error("cannot allocate communication buffers of comm_buffer_bytes=" +
+                                       std::to_string(p.comm_buffer_bytes) + " per rank; lower " +
+                                       "strata.config(comm_buffer_bytes=...)");
                 auto release = [comm, buffers] {
                   comm->ReleaseBuffers(std::make_unique<CommBuffers>(std::move(*buffers)));
                 };

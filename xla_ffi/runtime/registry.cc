@@ -24,31 +24,12 @@ bool Contains(const std::map<uintptr_t, int64_t>& regions, uintptr_t addr, int64
 }
 }  // namespace
 
-bool Registry::FindLocked(PerNpu& p, uintptr_t addr, int64_t len) {
-  return Contains(p.regions, addr, len) || Contains(p.cached, addr, len);
-}
-
-void Registry::InsertLocked(PerNpu& p, uintptr_t addr, int64_t len) {
-  // Merge with overlapping regions so lookups stay one interval probe.
-  uintptr_t lo = addr, hi = addr + len;
-  auto it = p.regions.upper_bound(addr);
-  if (it != p.regions.begin()) {
-    auto prev = std::prev(it);
-    if (prev->first + prev->second >= lo) it = prev;
-  }
-  while (it != p.regions.end() && it->first <= hi) {
-    lo = std::min(lo, it->first);
-    hi = std::max<uintptr_t>(hi, it->first + it->second);
-    it = p.regions.erase(it);
-  }
-  p.regions[lo] = static_cast<int64_t>(hi - lo);
-}
-
 void Registry::Register(int npu, uintptr_t addr, int64_t len) {
   PerNpu& p = Get(npu);
   {
     std::lock_guard<std::mutex> lock(p.mu);
-    InsertLocked(p, addr, len);
+    int64_t& have = p.regions[addr];
+    have = std::max(have, len);
   }
   GlobalStats().registrations++;
   GlobalStats().bytes_registered += len;
@@ -63,25 +44,11 @@ void Registry::Deregister(int npu, uintptr_t addr) {
 bool Registry::Lookup(int npu, uintptr_t addr, int64_t len) {
   PerNpu& p = Get(npu);
   std::lock_guard<std::mutex> lock(p.mu);
-  return FindLocked(p, addr, len);
+  return Contains(p.regions, addr, len);
 }
 
 bool Registry::LookupOrRegister(int npu, uintptr_t addr, int64_t len, bool operand) {
-  PerNpu& p = Get(npu);
-  bool hit;
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    hit = FindLocked(p, addr, len);
-    if (!hit) {
-      int64_t& cached_len = p.cached[addr];
-      if (cached_len == 0) p.cache_order.push_back(addr);
-      cached_len = std::max(cached_len, len);
-      while (p.cache_order.size() > kMaxCached) {
-        p.cached.erase(p.cache_order.front());
-        p.cache_order.pop_front();
-      }
-    }
-  }
+  const bool hit = Lookup(npu, addr, len);
   Stats& s = GlobalStats();
   s.registry_lookups++;
   (hit ? s.registry_hits : s.registry_misses)++;
@@ -96,7 +63,7 @@ bool Registry::LookupOrRegister(int npu, uintptr_t addr, int64_t len, bool opera
 int64_t Registry::RegionCount(int npu) {
   PerNpu& p = Get(npu);
   std::lock_guard<std::mutex> lock(p.mu);
-  return static_cast<int64_t>(p.regions.size() + p.cached.size());
+  return static_cast<int64_t>(p.regions.size());
 }
 
 void Registry::PreferLargePages(void* addr, int64_t len) {

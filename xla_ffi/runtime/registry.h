@@ -2,7 +2,6 @@
 // may read or write a buffer directly only inside a registered region.
 #pragma once
 #include <cstdint>
-#include <deque>
 #include <map>
 #include <mutex>
 #include <vector>
@@ -16,10 +15,12 @@ class Registry {
   void Deregister(int npu, uintptr_t addr);
   // True when [addr, addr+len) lies inside one region of `npu`.
   bool Lookup(int npu, uintptr_t addr, int64_t len);
-  // Looks up; on a miss registers the range (an XLA temporary seen for the
-  // first time) so the next call hits. Returns whether it hit. `operand`
-  // says whether it is an op's input (counted apart from results, which XLA
-  // allocates afresh and so are first-use registrations by nature).
+  // Looks up a buffer an op is about to use. A miss is an XLA temporary: it
+  // is registered for this op only (counted as a registration) and nothing
+  // of it is kept, since XLA frees and recycles such buffers behind our back:
+  // a cached registration would outlive its buffer. Returns whether it hit.
+  // `operand` says whether it is an op's input (counted apart from results,
+  // which XLA allocates afresh and so are per-op registrations by nature).
   bool LookupOrRegister(int npu, uintptr_t addr, int64_t len, bool operand = true);
   int64_t RegionCount(int npu);
 
@@ -32,14 +33,11 @@ class Registry {
  private:
   struct PerNpu {
     std::mutex mu;
-    std::map<uintptr_t, int64_t> regions;  // pinned (arenas, comm buffers): start -> length
-    std::map<uintptr_t, int64_t> cached;   // registered on first use
-    std::deque<uintptr_t> cache_order;     // oldest first, for eviction
+    // Pinned for their lifetime (arenas, comm buffers): start -> length.
+    // Kept unmerged so that Deregister removes exactly what was registered.
+    std::map<uintptr_t, int64_t> regions;
   };
-  static constexpr size_t kMaxCached = 4096;  // per NPU; XLA recycles addresses
   PerNpu& Get(int npu);
-  bool FindLocked(PerNpu& p, uintptr_t addr, int64_t len);
-  void InsertLocked(PerNpu& p, uintptr_t addr, int64_t len);
 
   std::mutex mu_;
   std::vector<PerNpu*> npus_;

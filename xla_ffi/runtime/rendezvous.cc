@@ -1,6 +1,13 @@
 #include "rendezvous.h"
 
+#include <semaphore.h>
+#include <signal.h>
+
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <deque>
 #include <cstdlib>
 #include <map>
 #include <condition_variable>
@@ -83,13 +90,44 @@ std::vector<std::shared_ptr<Slot>>& g_pending = *new std::vector<std::shared_ptr
 std::condition_variable& g_watchdog_cv = *new std::condition_variable;
 std::once_flag g_watchdog_once;
 
+// Where the ranks missing from `s` are instead: the other slots of the same
+// run and group (pending, or aborted not long ago) that they joined. A rank
+// that skipped an op and called another is in one of those; naming it tells
+// both sides which op the other side is at. Caller holds g_mu and s.mu; only
+// the watchdog takes a second slot's lock while holding one, so this nesting
+// cannot deadlock.
+std::string ElsewhereLocked(Slot& s) {
+  std::ostringstream os;
+  auto lo = g_slots.lower_bound(SlotKey{s.run_id, INT64_MIN, INT32_MIN, INT64_MIN});
+  for (auto it = lo; it != g_slots.end() && std::get<0>(it->first) == s.run_id; ++it) {
+    Slot& o = *it->second;
+    if (&o == &s || std::get<2>(it->first) != s.group_id || o.n != s.n) continue;
+    std::lock_guard<std::mutex> lock(o.mu);
+    std::vector<char> there(s.n, 0);
+    bool any = false;
+    for (int r = 0; r < s.n; ++r) {
+      there[r] = !s.present[r] && o.present[r];
+      any = any || there[r];
+    }
+    if (!any) continue;
+    os << "\n  ranks " << RankList(there, true) << " are at " << o.opname << " (call site "
+       << o.site_id;
+    if (o.site_id == s.site_id) os << ", another instruction of it: e.g. the other branch of a lax.cond, or another call of a jitted helper";
+    os << ", iteration " << std::get<3>(it->first) << ") instead";
+    os << " (arrived there: " << RankList(o.present, true) << ")";
+  }
+  return os.str();
+}
+
 std::string MissingRanksError(Slot& s) {
   std::ostringstream os;
   os << s.opname << " (call site " << s.site_id << ", group " << s.group_id << "): timed out after "
      << s.timeout_s << " s waiting for ranks " << RankList(s.present, false)
      << " (arrived: " << RankList(s.present, true)
      << "). A peer never reached this collective: ranks took different control flow, "
-     << "or a peer failed. Raise strata.config(timeout_s=...) if peers are only slow.";
+     << "or a peer failed. Every rank of a group must issue the same collectives (the same "
+     << "instructions of the program). Raise strata.config(timeout_s=...) if peers are only slow.";
+  os << ElsewhereLocked(s);
   return os.str();
 }
 
@@ -161,21 +199,114 @@ void EraseSlot(const Slot* slot) {
   g_sites.erase(s);
 }
 
+// Runs whose ops were aborted by AbortPending, with why: a rank of such a
+// run that reaches another op fails there at once. Guarded by g_mu; bounded.
+std::map<int64_t, std::string>& g_aborted_runs = *new std::map<int64_t, std::string>;
+std::deque<int64_t>& g_aborted_order = *new std::deque<int64_t>;
+std::atomic<bool> g_refuse_new{false};
+std::string& g_refuse_why = *new std::string;  // set once, before g_refuse_new
+
 }  // namespace
+
+int64_t AbortPending(const std::string& why, bool refuse_new) {
+  std::vector<std::pair<std::vector<Completion>, std::string>> aborted;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (refuse_new && !g_refuse_new.load()) {
+      g_refuse_why = why;
+      g_refuse_new.store(true);
+    }
+    for (auto it = g_pending.begin(); it != g_pending.end();) {
+      const std::shared_ptr<Slot> keep = *it;  // past the unlock (see PruneLocked)
+      Slot& s = *keep;
+      std::lock_guard<std::mutex> slock(s.mu);
+      it = g_pending.erase(it);
+      if (s.arrived == s.n || s.aborted) continue;
+      std::ostringstream os;
+      os << s.opname << " (call site " << s.site_id << ", group " << s.group_id << "): aborted while "
+         << "waiting for ranks " << RankList(s.present, false) << ": " << why;
+      if (g_aborted_runs.emplace(s.run_id, why).second) g_aborted_order.push_back(s.run_id);
+      aborted.emplace_back(AbortAsyncLocked(s, os.str()), os.str());
+    }
+    while (g_aborted_order.size() > 256) {
+      g_aborted_runs.erase(g_aborted_order.front());
+      g_aborted_order.pop_front();
+    }
+  }
+  for (auto& [completions, message] : aborted) Finish(std::move(completions), Status::Error(message));
+  return static_cast<int64_t>(aborted.size());
+}
+
+namespace {
+sem_t g_interrupt_sem;
+struct sigaction g_prev_sigint;
+
+void OnInterrupt(int sig, siginfo_t* info, void* context) {
+  const int saved_errno = errno;
+  sem_post(&g_interrupt_sem);  // async-signal-safe; the thread below does the work
+  errno = saved_errno;
+  if (g_prev_sigint.sa_flags & SA_SIGINFO) {
+    if (g_prev_sigint.sa_sigaction) g_prev_sigint.sa_sigaction(sig, info, context);
+  } else if (g_prev_sigint.sa_handler == SIG_DFL) {
+    signal(sig, SIG_DFL);
+    raise(sig);
+  } else if (g_prev_sigint.sa_handler != SIG_IGN) {
+    g_prev_sigint.sa_handler(sig);
+  }
+}
+
+void InterruptLoop() {
+  for (;;) {
+    if (sem_wait(&g_interrupt_sem) != 0) continue;  // EINTR
+    AbortPending("interrupted (SIGINT)", /*refuse_new=*/false);
+  }
+}
+}  // namespace
+
+void InstallInterruptHandler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction now;
+    if (sigaction(SIGINT, nullptr, &now) != 0 || (!(now.sa_flags & SA_SIGINFO) && now.sa_handler == SIG_IGN))
+      return;  // SIGINT ignored: nothing would interrupt the program either
+    sem_init(&g_interrupt_sem, 0, 0);
+    std::thread(InterruptLoop).detach();
+    g_prev_sigint = now;
+    struct sigaction ours = {};
+    ours.sa_sigaction = OnInterrupt;
+    ours.sa_flags = SA_SIGINFO | (now.sa_flags & SA_RESTART);
+    ours.sa_mask = now.sa_mask;
+    sigaction(SIGINT, &ours, nullptr);
+  });
+}
 
 void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string signature,
                Completion done, const Starter& start) {
   std::call_once(g_watchdog_once, [] { std::thread(WatchdogLoop).detach(); });
   std::shared_ptr<Slot> slot;
   {
-    std::lock_guard<std::mutex> lock(g_mu);
+    std::unique_lock<std::mutex> lock(g_mu);
+    std::string refused;
+    if (g_refuse_new.load()) {
+      refused = g_refuse_why;
+    } else if (auto run = g_aborted_runs.find(who.run_id); run != g_aborted_runs.end()) {
+      refused = "this run's other ops were aborted: " + run->second;
+    }
+    if (!refused.empty()) {
+      lock.unlock();
+      std::ostringstream os;
+      os << who.opname << " (call site " << who.site_id << ", group " << who.group_id << ", rank "
+         << who.rank << " of " << who.group_size << "): not started: " << refused;
+      done(Status::Error(os.str()));
+      return;
+    }
     Clock::time_point now = Clock::now();
-    SiteState& site = g_sites[SiteKey{who.run_id, who.site_id, who.group_id}];
+    SiteState& site = g_sites[SiteKey{who.run_id, who.MeetingSite(), who.group_id}];
     if (site.next_iteration.size() < static_cast<size_t>(who.group_size))
       site.next_iteration.resize(who.group_size, 0);
     site.touched = now;
     int64_t iteration = site.next_iteration[who.rank]++;
-    SlotKey key{who.run_id, who.site_id, who.group_id, iteration};
+    SlotKey key{who.run_id, who.MeetingSite(), who.group_id, iteration};
     auto& entry = g_slots[key];
     if (!entry) {
       PruneLocked(now);
@@ -184,7 +315,9 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string sign
       entry->deadline = now + std::chrono::microseconds(static_cast<int64_t>(who.timeout_s * 1e6));
       entry->timeout_s = who.timeout_s;
       entry->opname = who.opname;
+      entry->run_id = who.run_id;
       entry->site_id = who.site_id;
+      entry->instance_id = who.MeetingSite();
       entry->group_id = who.group_id;
       g_slot_keys[entry.get()] = key;
       g_pending.push_back(entry);

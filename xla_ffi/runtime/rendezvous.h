@@ -24,7 +24,11 @@ namespace strata {
 // Who is calling: one rank of one group at one call site of one XLA run.
 struct CallSite {
   int64_t run_id = 0;   // one XLA execution
-  int64_t site_id = 0;  // one call site in the traced program
+  int64_t site_id = 0;  // one call site in the traced program (named in errors)
+  // One custom-call instruction of the compiled program (see SiteInstance in
+  // bindings/ffi_common.h); what ranks meet by. 0: use site_id (tools, tests).
+  int64_t instance_id = 0;
+  int64_t MeetingSite() const { return instance_id != 0 ? instance_id : site_id; }
   int32_t group_id = 0;
   int32_t rank = 0;
   int32_t device = 0;
@@ -66,7 +70,9 @@ struct Slot {
   std::chrono::steady_clock::time_point deadline;
   double timeout_s = 0;
   const char* opname = "";
+  int64_t run_id = 0;
   int64_t site_id = 0;
+  int64_t instance_id = 0;  // the meeting key's site (see CallSite::MeetingSite)
   int32_t group_id = 0;
 };
 
@@ -88,5 +94,16 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string sign
 
 // Live (not aborted) slots: 0 once every op has finished.
 int64_t LiveSlotCount();
+
+// Fails every op still waiting for peers with `why`, now, so their ranks'
+// programs end instead of waiting out the timeout; later joins of the same
+// runs fail at once with it too (their peers are gone). With `refuse_new`
+// every later join fails (the process is exiting). Returns the ops aborted.
+int64_t AbortPending(const std::string& why, bool refuse_new);
+
+// Chains a SIGINT handler in front of the current one (Python's): Ctrl-C
+// aborts the ops waiting for peers (a thread does it; the handler itself only
+// posts a semaphore), then the previous handler runs as before. Idempotent.
+void InstallInterruptHandler();
 
 }  // namespace strata

@@ -14,6 +14,7 @@
 
 #include "../algorithms/algorithms.h"
 #include "../runtime/collective.h"
+#include "../runtime/copy.h"
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
@@ -178,6 +179,7 @@ NB_MODULE(_core, m) {
   m.def("abort_pending", &AbortPending, nb::arg("why"), nb::arg("refuse_new") = false,
         nb::call_guard<nb::gil_scoped_release>());
   m.def("install_interrupt_handler", &InstallInterruptHandler);
+  m.def("set_streaming_threshold_bytes", &SetStreamingThresholdBytes);
   m.def("run_ranks", &RunRanks);
   m.def("plan_info", &PlanInfo);
 }

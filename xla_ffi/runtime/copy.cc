@@ -1,5 +1,7 @@
 #include "copy.h"
 
+#include <atomic>
+
 #include <unistd.h>
 
 #include <cstdlib>
@@ -49,18 +51,28 @@ void StoreFence() {
 #endif
 }
 
-int64_t StreamingThresholdBytes() {
-  static const int64_t threshold = [] {
-    // STRATA_STREAM_BYTES overrides it (A/B measurements; 0 streams always).
-    if (const char* env = std::getenv("STRATA_STREAM_BYTES")) return static_cast<int64_t>(std::atoll(env));
-    long llc = -1;
+namespace {
+int64_t DefaultStreamingThreshold() {
+  // STRATA_STREAM_BYTES overrides it (A/B measurements; 0 streams always).
+  if (const char* env = std::getenv("STRATA_STREAM_BYTES")) return static_cast<int64_t>(std::atoll(env));
+  long llc = -1;
 #ifdef _SC_LEVEL3_CACHE_SIZE
-    llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
 #endif
-    if (llc <= 0) llc = 32L << 20;
-    return static_cast<int64_t>(llc) / 2;
-  }();
+  if (llc <= 0) llc = 32L << 20;
+  return static_cast<int64_t>(llc) / 2;
+}
+
+std::atomic<int64_t>& Threshold() {
+  static std::atomic<int64_t> threshold{DefaultStreamingThreshold()};
   return threshold;
+}
+}  // namespace
+
+int64_t StreamingThresholdBytes() { return Threshold().load(std::memory_order_relaxed); }
+
+int64_t SetStreamingThresholdBytes(int64_t bytes) {
+  return Threshold().exchange(bytes < 0 ? DefaultStreamingThreshold() : bytes);
 }
 
 }  // namespace strata

@@ -21,5 +21,8 @@ void StoreFence();
 // cache (sources and outputs cannot both stay cached beyond it), or
 // STRATA_STREAM_BYTES when set.
 int64_t StreamingThresholdBytes();
+// For tests and A/B runs: sets the threshold (< 0: back to the default) and
+// returns the previous one. Ops read it when they start.
+int64_t SetStreamingThresholdBytes(int64_t bytes);
 
 }  // namespace strata

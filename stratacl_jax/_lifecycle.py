@@ -9,7 +9,6 @@ waiting at that moment before Python's own handler raises KeyboardInterrupt.
 from __future__ import annotations
 
 import atexit
-import threading
 
 from . import _core
 
@@ -22,13 +21,7 @@ def _abort_at_exit() -> None:
 
 def install() -> None:
     _core.install_interrupt_handler()
-    # threading's exit hooks run first in interpreter shutdown, before it
-    # joins threads and before atexit's hooks (jax's among them), any of
-    # which may wait for a pending execution.
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(_abort_at_exit)
-        except RuntimeError:  # already shutting down
-            pass
+    # atexit runs after Python has joined non-daemon threads (whose ops may
+    # legitimately still be finishing) and, registered after `import jax`,
+    # before jax's own exit hooks, which may wait for a pending execution.
     atexit.register(_abort_at_exit)

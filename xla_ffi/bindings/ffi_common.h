@@ -2,6 +2,7 @@
 // settled, and the refusal to run on a thread pool too small for XLA:CPU.
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 
@@ -46,7 +47,10 @@ inline std::optional<DType> ToDType(ffi::DataType t) {
 // instructions, each with its own instance.
 struct SiteInstance {
   static inline ffi::TypeId id = {};
-  int64_t instance = 0;
+  // Written at instantiation, read by every execution: XLA orders the two
+  // (the executable is published in between) in code no sanitizer sees, so
+  // the id is an atomic rather than a race as far as TSan can tell.
+  std::atomic<int64_t> instance{0};
 };
 
 // Instance ids: unique in the process, so slots of two instructions never meet.
@@ -61,7 +65,7 @@ inline CallSite DecodeCallSite(int32_t device, ffi::RunId run, ffi::Buffer<ffi::
   CallSite c;
   c.run_id = run.run_id;
   c.site_id = site_id;
-  c.instance_id = instance ? instance->instance : 0;
+  c.instance_id = instance ? instance->instance.load(std::memory_order_acquire) : 0;
   c.rank = meta.typed_data()[0];
   c.group_id = meta.typed_data()[1];
   c.device = device;

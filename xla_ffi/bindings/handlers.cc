@@ -86,7 +86,7 @@ namespace ffi_common {
 ffi::ErrorOr<std::unique_ptr<SiteInstance>> NewSiteInstance() {
   static std::atomic<int64_t> next{int64_t{1} << 40};  // apart from trace-time site ids
   auto instance = std::make_unique<SiteInstance>();
-  instance->instance = next++;
+  instance->instance.store(next++, std::memory_order_release);
   return instance;
 }
 

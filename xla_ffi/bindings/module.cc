@@ -19,6 +19,7 @@
 #include "../runtime/stats.h"
 #include "handlers.h"
 #include "moe_handlers.h"
+#include "ragged_handlers.h"
 
 namespace nb = nanobind;
 using namespace strata;
@@ -38,6 +39,7 @@ nb::dict Registrations() {
   d["strata_all_to_all"] = EncapsulateFfiHandler(StrataAllToAll);
   d["strata_broadcast"] = EncapsulateFfiHandler(StrataBroadcast);
   d["strata_ppermute"] = EncapsulateFfiHandler(StrataPermute);
+  d["strata_ragged_all_to_all"] = EncapsulateFfiHandler(StrataRaggedAllToAll);
   d["strata_moe_dispatch"] = EncapsulateFfiHandler(StrataMoeDispatch);
   d["strata_moe_combine"] = EncapsulateFfiHandler(StrataMoeCombine);
   d["strata_moe_combine_backward"] = EncapsulateFfiHandler(StrataMoeCombineBackward);

@@ -22,7 +22,7 @@ std::string Describe(const RaggedParams& p) {
   std::ostringstream os;
   os << kName << " dtype=" << DTypeName(p.dtype) << " group_size=" << p.group_size
      << " operand_rows=" << p.operand_rows << " output_rows=" << p.output_rows
-     << " row_bytes=" << p.row_bytes;
+     << " row_bytes=" << p.row_bytes << " slices_per_peer=" << p.slices_per_peer;
   return os.str();
 }
 
@@ -35,26 +35,26 @@ struct Copy {
 // Every (sender, receiver) run of rows, after checking each against the
 // buffers and the receiver's recv_sizes; the first bad one is the error.
 Status PlanCopies(const RaggedParams& p, const Slot& s, std::vector<Copy>* copies) {
-  const int n = s.n;
-  auto vec = [&](int r, int k) { return static_cast<const int32_t*>(s.ptrs[r][k]); };
+  const int n = s.n, k = p.slices_per_peer;
+  auto vec = [&](int r, int v) { return static_cast<const int32_t*>(s.ptrs[r][v]); };
   for (int src = 0; src < n; ++src) {
     const int32_t *in_off = vec(src, 2), *send = vec(src, 3), *out_off = vec(src, 4);
-    for (int dst = 0; dst < n; ++dst) {
-      const int64_t rows = send[dst], i0 = in_off[dst], o0 = out_off[dst];
-      const int64_t expected = vec(dst, 5)[src];
+    for (int i = 0; i < n * k; ++i) {
+      const int dst = i / k;
+      const int64_t rows = send[i], i0 = in_off[i], o0 = out_off[i];
+      const int64_t expected = vec(dst, 5)[src * k + i % k];
       std::ostringstream os;
       if (rows < 0)
-        os << "rank " << src << " sends a negative size " << rows << " to rank " << dst;
+        os << "rank " << src << " sends a negative size send_sizes[" << i << "]=" << rows;
       else if (rows != expected)
-        os << "rank " << src << " sends " << rows << " rows to rank " << dst << ", whose recv_sizes["
-           << src << "] says " << expected;
+        os << "rank " << src << " sends send_sizes[" << i << "]=" << rows << " rows to rank " << dst
+           << ", whose recv_sizes[" << src * k + i % k << "] says " << expected;
       else if (rows > 0 && (i0 < 0 || i0 + rows > p.operand_rows))
-        os << "rank " << src << ": input_offsets[" << dst << "]=" << i0 << " + send_sizes[" << dst
-           << "]=" << rows << " is outside its operand's " << p.operand_rows << " rows";
+        os << "rank " << src << ": input_offsets[" << i << "]=" << i0 << " + send_sizes[" << i << "]="
+           << rows << " is outside its operand's " << p.operand_rows << " rows";
       else if (rows > 0 && (o0 < 0 || o0 + rows > p.output_rows))
-        os << "rank " << src << ": output_offsets[" << dst << "]=" << o0 << " + send_sizes[" << dst
-           << "]=" << rows << " is outside rank " << dst << "'s output of " << p.output_rows
-           << " rows";
+        os << "rank " << src << ": output_offsets[" << i << "]=" << o0 << " + send_sizes[" << i << "]="
+           << rows << " is outside rank " << dst << "'s output of " << p.output_rows << " rows";
       if (!os.str().empty()) return Status::Error(std::string(kName) + ": " + os.str());
       if (rows == 0 || p.row_bytes == 0) continue;
       copies->push_back({static_cast<const char*>(s.ptrs[src][0]) + i0 * p.row_bytes,

@@ -2,7 +2,8 @@
 // [input_offsets_s[d], + send_sizes_s[d]) of its operand to rank d, which
 // receives them at rows [output_offsets_s[d], + send_sizes_s[d]) of its output
 // (offsets in the receiver's buffer, chosen by the sender); rows nobody writes
-// keep the output's values. Sizes are runtime values: every rank publishes its
+// keep the output's values. With k slices per peer, entry i goes to rank
+// i / k, and the receiver's recv_sizes[s * k + j] is sender s's j-th. Sizes are runtime values: every rank publishes its
 // offset/size vectors and the last rank to arrive reads them all, checks them
 // and copies the rows straight between the ranks' buffers.
 #pragma once
@@ -17,6 +18,7 @@ namespace strata {
 
 struct RaggedParams {
   int32_t group_size = 1;
+  int32_t slices_per_peer = 1;  // offsets/sizes hold group_size * slices_per_peer entries
   int64_t operand_rows = 0, output_rows = 0, row_bytes = 0;
   DType dtype = DType::F32;
 };
@@ -25,10 +27,10 @@ struct RaggedParams {
 struct RaggedBuffers {
   const void* operand = nullptr;
   void* out = nullptr;
-  const int32_t* input_offsets = nullptr;   // [group_size]
-  const int32_t* send_sizes = nullptr;      // [group_size]
-  const int32_t* output_offsets = nullptr;  // [group_size], in each receiver's output
-  const int32_t* recv_sizes = nullptr;      // [group_size]
+  const int32_t* input_offsets = nullptr;   // [group_size * slices_per_peer]
+  const int32_t* send_sizes = nullptr;      // [group_size * slices_per_peer]
+  const int32_t* output_offsets = nullptr;  // [group_size * slices_per_peer], in each receiver's output
+  const int32_t* recv_sizes = nullptr;      // [group_size * slices_per_peer]
 };
 
 // Joins the group and returns at once; `done` runs once, when every rank's

@@ -42,9 +42,10 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi
       out->size_bytes() != output.size_bytes())
     return Failed(Invalid(kOp, "operand and output must have one dtype and the same row shape"));
   if (group_size < 1) return Failed(Invalid(kOp, "group_size must be positive"));
+  const size_t entries = input_offsets.element_count();
   for (auto* v : {&input_offsets, &send_sizes, &output_offsets, &recv_sizes})
-    if (v->element_count() != static_cast<size_t>(group_size))
-      return Failed(Invalid(kOp, "offsets and sizes must hold one entry per rank of the group"));
+    if (v->element_count() != entries || entries == 0 || entries % group_size != 0)
+      return Failed(Invalid(kOp, "offsets and sizes must be one length, a positive multiple of the group size"));
   if (meta.element_count() != 2) return Failed(Invalid(kOp, "rank operand must hold (rank, group)"));
 
   if (out->untyped_data() != output.untyped_data() && output.size_bytes() > 0)
@@ -52,6 +53,7 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi
 
   RaggedParams p;
   p.group_size = group_size;
+  p.slices_per_peer = static_cast<int32_t>(entries / group_size);
   p.operand_rows = od[0];
   p.output_rows = ud[0];
   p.row_bytes = RowElems(od) * static_cast<int64_t>(DTypeSize(*dtype));

@@ -64,7 +64,7 @@ def _abstract_eval(x, *, group, op, invariant, settings):
 
 
 def _lower(x, *, group, op, invariant, settings):
-    flat = x.reshape(1, -1)
+    flat = x.reshape(1) if x.ndim == 0 else x  # any shape: one block of all its bytes
     y = _ffi.call("strata_all_reduce", group, flat, flat.shape, block_elems=flat.size,
                   reduce_op=_ffi.REDUCE_OPS[op], settings=settings)
     return y.reshape(x.shape)

@@ -184,12 +184,6 @@ def call(target: str, group, x, out_shape, *, block_elems: int, out_vma: frozens
     return make_varying(y, tuple(out_vma)) if out_vma else y
 
 
-def config_params() -> tuple:
-    """The strata.config settings in force, as a static primitive parameter:
-    an op keeps the settings it was traced with (API.md)."""
-    return _config.current()
-
-
 def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None):
     """A JAX primitive for one collective: abstract evaluation, a CPU lowering
     (`lower(*operands, **params)` traced into the FFI call), and the rules.

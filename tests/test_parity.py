@@ -127,6 +127,32 @@ def test_vmap_inside_shard_map_matches_twin(mesh2x4, name, in_axes):
     np.testing.assert_allclose(run(sop, in_axes), run(lop, 0), rtol=1e-6, atol=1e-6)
 
 
+def test_vmap_of_vmap_and_eager_shard_map(mesh2x4):
+    """Nested vmaps inside shard_map, and unjitted shard_map on an Auto mesh:
+    the twin's values and shardings."""
+    x = placed(mesh2x4, random_array(np.random.default_rng(14), (8 * 4, 3, 2), np.float32))
+    for name in ("sum", "max", "all_gather", "ppermute", "broadcast"):
+        sop, lop, _, axis = OPS[name]
+        nested = lambda op: jax.shard_map(jax.vmap(jax.vmap(lambda w: op(w, axis), in_axes=1), in_axes=2),
+                                          mesh=mesh2x4, in_specs=SPEC, out_specs=SPEC)
+        got, want = nested(sop)(x), nested(lop)(x)  # eager: no jax.jit
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, err_msg=name)
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim), name
+
+
+@pytest.mark.parametrize("name", ["sum", "max", "all_gather", "ppermute"])
+def test_pmap_runs_strata(name):
+    """Under jax.pmap (a shard_map in jax 0.10.2) the strata op runs, with grads."""
+    sop, lop = VMAP_AXIS_OPS[name]
+    x = random_array(np.random.default_rng(15), (8, 3), np.float32)
+    f = jax.pmap(sop, axis_name="i")
+    assert "strata_" in f.lower(x).as_text()
+    np.testing.assert_allclose(f(x), jax.pmap(lop, axis_name="i")(x), rtol=1e-6)
+    if name != "max":  # lax's pmax has no gradient
+        grad = lambda op: jax.pmap(jax.grad(lambda v: (jnp.sin(op(v)) ** 2).sum()), axis_name="i")(x)
+        np.testing.assert_allclose(grad(sop), grad(lop), rtol=1e-5, atol=1e-6)
+
+
 VMAP_AXIS_OPS = {
     "sum": (lambda v: strata.all_reduce(v, "i"), lambda v: lax.psum(v, "i")),
     "mean": (lambda v: strata.all_reduce(v, "i", op="mean"), lambda v: lax.pmean(v, "i")),

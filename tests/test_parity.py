@@ -109,6 +109,23 @@ def test_forward_and_second_order_transforms_match_twin(mesh2x4, name):
         np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=1e-9, atol=1e-9, err_msg=key)
 
 
+@pytest.mark.parametrize("name", ["sum_2d", "max", "prod", "all_gather_invariant", "reduce_scatter", "broadcast"])
+def test_forward_mode_without_vma_checks(mesh2x4, name):
+    """check_vma=False: no varying types, so sums transpose to sums."""
+    sop, lop, _, axis = OPS[name]
+    if name == "all_gather_invariant":
+        sop, lop = OPS["all_gather"][:2]
+    x, t = placed(mesh2x4, data(name, seed=16)), placed(mesh2x4, data(name, seed=17))
+
+    def transforms(op):
+        f = sharded(op, axis, mesh2x4, check_vma=False)
+        loss = lambda v: (jnp.cos(f(v)) * jnp.arange(f(v).size).reshape(f(v).shape)).sum()
+        return jax.jvp(f, (x,), (t,))[1], jax.grad(loss)(x), jax.jvp(jax.grad(loss), (x,), (t,))[1]
+
+    for g, w in zip(jax.jit(lambda: transforms(sop))(), jax.jit(lambda: transforms(lop))()):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("in_axes", [0, -1])
 def test_vmap_inside_shard_map_matches_twin(mesh2x4, name, in_axes):

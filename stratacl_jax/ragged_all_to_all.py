@@ -5,7 +5,10 @@ Rank s sends rows [input_offsets[i], + send_sizes[i]) of `operand` to rank
 i // k (k = slices per peer = len(send_sizes) / group size); they land at rows
 [output_offsets[i], + send_sizes[i]) of that rank's result (offsets in the
 receiver's buffer). Rows nobody writes keep `output`'s values. The sizes are
-runtime values: the C++ runtime reads every rank's vectors when the group meets.
+runtime values: the C++ runtime reads every rank's vectors when the group meets,
+checks them (sizes agree with the receivers' recv_sizes, rows fit the buffers:
+an error naming the rank otherwise) and copies the rows straight between the
+ranks' buffers, in either strata.config mode (there is no staged variant).
 
 The primitive is linear in (operand, output) jointly; its transpose sends the
 cotangent's received rows back (a ragged_all_to_all with the roles swapped)

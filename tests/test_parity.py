@@ -383,3 +383,15 @@ def test_bit_identical_across_reruns_and_ranks(mesh8, dtype):
         assert a.tobytes() == b.tobytes()
     per_rank = first[0].reshape(8, 64, 33)
     assert all(per_rank[r].tobytes() == per_rank[0].tobytes() for r in range(8))
+
+
+def test_empty_operands_through_every_transform(mesh8):
+    x = jax.device_put(np.zeros((8 * 8, 0, 3), np.float32), NamedSharding(mesh8, P("x")))
+    empty_vectors = [jnp.zeros(8, jnp.int32)] * 4
+    for op in (lambda v: strata.all_reduce(v, "x", op="prod"), lambda v: strata.all_gather(v, "x", axis=1, tiled=True),
+               lambda v: strata.reduce_scatter(v, "x", tiled=True), lambda v: strata.all_to_all(v, "x", 0, 2, tiled=True),
+               lambda v: strata.ragged_all_to_all(v, v, *empty_vectors, axis_name="x")):
+        f = jax.shard_map(op, mesh=mesh8, in_specs=P("x"), out_specs=P("x"))
+        y, y_dot = jax.jit(lambda v: jax.jvp(f, (v,), (v,)))(x)
+        g = jax.jit(jax.grad(lambda v: f(v).sum()))(x)
+        assert y.size == y_dot.size == g.size == 0 and g.shape == x.shape

@@ -1,6 +1,7 @@
 """One mechanism every collective shares: find the caller's group and rank in
-the shard_map mesh, type results as jax.lax types its twin's, and issue the
-FFI custom call with the attributes the C++ runtime needs."""
+the shard_map mesh, define the op as a JAX primitive (abstract evaluation with
+the twin's varying/invariant typing, CPU lowering, AD and batching rules), and
+issue the FFI custom call with the attributes the C++ runtime needs."""
 from __future__ import annotations
 
 import dataclasses
@@ -178,10 +179,14 @@ def call(target: str, group, x, out_shape, *, block_elems: int, out_vma: frozens
         engines=np.int32(s.sdma_engines_per_npu),
         planner=np.int32(_PLANNER_CODE[s.planner]),
         comm_buffer_bytes=np.int64(s.comm_buffer_bytes),
-        timeout_ms=np.int64(max(1, round(s.timeout_s * 1000))),
+        timeout_ms=timeout_ms(s),
     )
     # ffi_call results are typed invariant; give them the twin's type.
     return make_varying(y, tuple(out_vma)) if out_vma else y
+
+
+def timeout_ms(settings) -> np.int64:
+    return np.int64(max(1, round(settings.timeout_s * 1000)))
 
 
 def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None):

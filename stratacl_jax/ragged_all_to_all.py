@@ -20,7 +20,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.interpreters import ad
 
 from . import _config
@@ -75,7 +74,7 @@ def _lower(operand, output, input_offsets, send_sizes, output_offsets, recv_size
     return fn(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, group.meta(),
               site_id=np.int64(_ffi.next_site_id()), group_size=np.int32(group.size),
               num_devices=np.int32(group.num_devices),
-              timeout_ms=np.int64(max(1, round(settings.timeout_s * 1000))))
+              timeout_ms=_ffi.timeout_ms(settings))
 
 
 def _jvp(primals, tangents, *, group, settings):

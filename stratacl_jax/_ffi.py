@@ -144,11 +144,15 @@ def vma_checked(x, axes) -> bool:
     return set(axes) <= varying_axes(x)
 
 
-def typed(aval, shape=None, vma=None):
-    """`aval` with another shape and/or varying set (what abstract evals return)."""
-    kw = {"weak_type": False}
+def typed(aval, shape=None, vma=None, weak_type=None):
+    """`aval` with another shape, varying set or weak type (what abstract
+    evals return; like lax's, a weakly typed operand stays weak unless the
+    twin says otherwise)."""
+    kw = {}
     if shape is not None:
         kw["shape"] = tuple(shape)
+    if weak_type is not None:
+        kw["weak_type"] = weak_type
     if vma is not None and getattr(aval, "mat", None) is not None:
         kw["manual_axis_type"] = aval.mat.update(varying=frozenset(vma))
     return aval.update(**kw)

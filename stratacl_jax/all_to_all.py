@@ -67,7 +67,7 @@ def _out_shape(shape, n, s, c, tiled):
 
 
 def _abstract_eval(x, *, group, split, concat, tiled, settings):
-    return _ffi.typed(x, shape=_out_shape(x.shape, group.size, split, concat, tiled))
+    return _ffi.typed(x, shape=_out_shape(x.shape, group.size, split, concat, tiled), weak_type=False)
 
 
 def _lower(x, *, group, split, concat, tiled, settings):

@@ -65,7 +65,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
 
 
 def _abstract_eval(operand, output, *vectors, group, settings):
-    return _ffi.typed(output, vma=_ffi.varying_axes(operand) | _ffi.varying_axes(output))
+    return _ffi.typed(output, vma=_ffi.varying_axes(operand) | _ffi.varying_axes(output), weak_type=False)
 
 
 def _lower(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, group, settings):

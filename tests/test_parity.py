@@ -401,3 +401,24 @@ def test_empty_operands_through_every_transform(mesh8):
         y, y_dot = jax.jit(lambda v: jax.jvp(f, (v,), (v,)))(x)
         g = jax.jit(jax.grad(lambda v: f(v).sum()))(x)
         assert y.size == y_dot.size == g.size == 0 and g.shape == x.shape
+
+
+def test_python_scalars_keep_the_twins_weak_type(mesh8):
+    """strata.all_reduce(2.0, ...) * bf16 stays bf16, as with lax.psum."""
+    pairs = [(lambda u: strata.all_reduce(u, "x"), lambda u: lax.psum(u, "x")),
+             (lambda u: strata.all_reduce(u, "x", op="mean"), lambda u: lax.pmean(u, "x")),
+             (lambda u: strata.all_gather(u, "x"), lambda u: lax.all_gather(u, "x")),
+             (lambda u: strata.ppermute(u, "x", [(0, 1)]), lambda u: lax.ppermute(u, "x", [(0, 1)]))]
+    seen = []
+
+    def body(v):
+        for sop, lop in pairs:
+            s, w = sop(2.5), lop(2.5)
+            seen.append((jax.typeof(s), jax.typeof(w), (s * v).dtype, (w * v).dtype))
+        return v
+
+    jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=P("x"), out_specs=P("x")))(jnp.ones(8, jnp.bfloat16))
+    for s_type, l_type, s_dtype, l_dtype in seen:
+        assert (s_type.shape, s_type.dtype, s_type.weak_type, s_type.mat.varying) == \
+            (l_type.shape, l_type.dtype, l_type.weak_type, l_type.mat.varying)
+        assert s_type.weak_type and s_dtype == l_dtype == jnp.bfloat16

@@ -24,11 +24,12 @@ from .all_reduce import all_reduce  # noqa: E402
 from .all_to_all import all_to_all  # noqa: E402
 from .broadcast import broadcast  # noqa: E402
 from .ppermute import ppermute  # noqa: E402
+from .ragged_all_to_all import ragged_all_to_all  # noqa: E402
 from .reduce_scatter import reduce_scatter  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute",
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute", "ragged_all_to_all",
     "config", "stats", "reset_stats", "emulator", "memory", "moe",
 ]

@@ -1,8 +1,10 @@
 """One mechanism every collective shares: find the caller's group and rank in
-the shard_map mesh, type results as jax.lax types its twin's, and issue the
-FFI custom call with the attributes the C++ runtime needs."""
+the shard_map mesh, define the op as a JAX primitive (abstract evaluation with
+the twin's varying/invariant typing, CPU lowering, AD and batching rules), and
+issue the FFI custom call with the attributes the C++ runtime needs."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Sequence
@@ -11,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import AxisType
 
 from . import _config
@@ -37,12 +41,18 @@ _PLANNER_CODE = {"balanced": 0, "naive": 1}
 
 SUPPORTED_DTYPES = tuple(
     np.dtype(d)
-    for d in ("float32", "float64", "float16", jnp.bfloat16, "int8", "int32", "int64", "uint8", "uint32", "bool")
+    for d in ("float32", "float64", "float16", jnp.bfloat16, "complex64", "complex128", "int8", "int32",
+              "int64", "uint8", "uint32", "bool")
 )
 
-# Call-site ids: each traced op gets its own, so the runtime never confuses two
-# collectives that XLA runs concurrently in one program.
+# Call-site ids: each lowered op gets its own, so the runtime never confuses
+# two collectives that XLA runs concurrently in one program.
 _site_ids = itertools.count(1)
+
+
+def next_site_id() -> int:
+    """The id of a new call site (the runtime's rendezvous key)."""
+    return next(_site_ids)
 
 
 def normalize_axes(axis_name) -> tuple:
@@ -57,32 +67,37 @@ def check_dtype(opname: str, x, *, reduce_op: str | None = None) -> None:
     if reduce_op is not None:
         if reduce_op not in REDUCE_OPS:
             raise ValueError(f"{opname}: op must be one of {tuple(REDUCE_OPS)}, got {reduce_op!r}")
-        if dtype == np.bool_:
-            raise TypeError(f"{opname}: dtype bool cannot be reduced (op={reduce_op!r}); cast it first")
+        if np.issubdtype(dtype, np.complexfloating) and reduce_op in ("max", "min"):
+            raise TypeError(f"{opname}: complex numbers have no {reduce_op} (op={reduce_op!r}), as in jax.lax")
 
 
-class Group:
-    """The caller's group for a collective over `axes` of the current mesh."""
+def split_axes(opname: str, axes: tuple) -> tuple[tuple, tuple]:
+    """(mesh axes, vmap axes): names bound by shard_map's manual mesh axes, and
+    names bound only by an enclosing jax.vmap(axis_name=...), which need no
+    communication (the batch is on this rank) and go to the lax twin."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set() if mesh.empty else {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual}
+    vmapped = []
+    for a in axes:
+        if a in manual:
+            continue
+        try:
+            lax.axis_size(a)
+        except NameError:
+            continue  # unbound: Group reports it with the op's name
+        vmapped.append(a)
+    return tuple(a for a in axes if a not in vmapped), tuple(vmapped)
 
-    def __init__(self, opname: str, axis_name):
-        self.opname = opname
-        self.axes = normalize_axes(axis_name)
-        mesh = jax.sharding.get_abstract_mesh()
-        manual = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual] if not mesh.empty else []
-        if not manual:
-            raise NameError(
-                f"{opname} must be called inside jax.shard_map (under jax.jit); there is no mesh axis "
-                f"{self.axes!r} here")
-        for a in self.axes:
-            if a not in manual:
-                raise NameError(
-                    f"{opname}: unbound axis name {a!r}; the shard_map's mesh axes are {tuple(manual)}")
-        if len(set(self.axes)) != len(self.axes):
-            raise ValueError(f"{opname}: axis names repeat in {self.axes!r}")
-        shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
-        self.size = math.prod(shape[a] for a in self.axes)
-        self.others = tuple(a for a in manual if a not in self.axes)
-        self.num_devices = mesh.size
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """A collective's group as static (hashable) primitive parameters: the
+    axes it spans, their size, the other manual axes (which tell groups
+    apart) and the mesh's device count."""
+    axes: tuple
+    size: int
+    others: tuple
+    num_devices: int
 
     def rank(self):
         return lax.axis_index(self.axes)
@@ -93,8 +108,35 @@ class Group:
         return jnp.stack([self.rank(), group]).astype(jnp.int32)
 
 
+class Group(GroupSpec):
+    """The caller's group for a collective over `axes` of the current mesh;
+    raises the op's error when there is none."""
+
+    def __init__(self, opname: str, axis_name):
+        axes = normalize_axes(axis_name)
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual] if not mesh.empty else []
+        if not manual:
+            raise NameError(
+                f"{opname} must be called inside jax.shard_map (under jax.jit); there is no mesh axis "
+                f"{axes!r} here")
+        for a in axes:
+            if a not in manual:
+                raise NameError(
+                    f"{opname}: unbound axis name {a!r}; the shard_map's mesh axes are {tuple(manual)}")
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"{opname}: axis names repeat in {axes!r}")
+        shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        super().__init__(axes, math.prod(shape[a] for a in axes), tuple(a for a in manual if a not in axes),
+                         mesh.size)
+        object.__setattr__(self, "opname", opname)
+
+    def spec(self) -> GroupSpec:
+        return GroupSpec(self.axes, self.size, self.others, self.num_devices)
+
+
 def varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
+    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
     mat = getattr(aval, "mat", None)
     if mat is not None:
         return frozenset(mat.varying)
@@ -112,23 +154,34 @@ def vma_checked(x, axes) -> bool:
     return set(axes) <= varying_axes(x)
 
 
-def call(target: str, group: Group, x, out_shape, *, block_elems: int, out_vma: frozenset,
-         reduce_op: int = NO_REDUCTION, root: int = 0, perm: Sequence[int] = ()):
-    """Issues one collective custom call on a normalised operand.
+def typed(aval, shape=None, vma=None, weak_type=None):
+    """`aval` with another shape, varying set or weak type (what abstract
+    evals return; like lax's, a weakly typed operand stays weak unless the
+    twin says otherwise)."""
+    kw = {}
+    if shape is not None:
+        kw["shape"] = tuple(shape)
+    if weak_type is not None:
+        kw["weak_type"] = weak_type
+    if vma is not None and getattr(aval, "mat", None) is not None:
+        kw["manual_axis_type"] = aval.mat.update(varying=frozenset(vma))
+    return aval.update(**kw)
 
-    `x` is laid out [blocks_in, block] (leading batch dims allowed under vmap);
-    the result [blocks_out, block] is typed varying over `out_vma`.
-    """
-    s = _config.current()
-    fn = jax.ffi.ffi_call(
-        target,
-        jax.ShapeDtypeStruct(out_shape, x.dtype),
-        vmap_method="expand_dims",
-    )
+
+def call(target: str, group, x, out_shape, *, block_elems: int, out_vma: frozenset | None = None,
+         reduce_op: int = NO_REDUCTION, root: int = 0, perm: Sequence[int] = (), settings=None):
+    """Issues one collective custom call on an operand laid out
+    [rows, blocks_in, block] (any shape whose bytes are that); the result has
+    `out_shape`, [rows, blocks_out, block] bytes. Called while lowering a
+    primitive, where types need not be set (out_vma None); typed varying over
+    `out_vma` otherwise. `settings`: the strata.config in force when the op
+    was traced (default: now)."""
+    s = settings if settings is not None else _config.current()
+    fn = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(tuple(out_shape), x.dtype))
     y = fn(
         x,
         group.meta(),
-        site_id=np.int64(next(_site_ids)),
+        site_id=np.int64(next_site_id()),
         reduce_op=np.int32(reduce_op),
         root=np.int32(root),
         perm=np.asarray(perm, dtype=np.int32).reshape(-1),
@@ -140,18 +193,34 @@ def call(target: str, group: Group, x, out_shape, *, block_elems: int, out_vma: 
         engines=np.int32(s.sdma_engines_per_npu),
         planner=np.int32(_PLANNER_CODE[s.planner]),
         comm_buffer_bytes=np.int64(s.comm_buffer_bytes),
-        timeout_ms=np.int64(max(1, round(s.timeout_s * 1000))),
+        timeout_ms=timeout_ms(s),
     )
     # ffi_call results are typed invariant; give them the twin's type.
-    return make_varying(y, tuple(a for a in out_vma)) if out_vma else y
+    return make_varying(y, tuple(out_vma)) if out_vma else y
 
 
-def linear_collective(forward, transpose, num_static: int):
-    """The op `forward(x, *static)` as a differentiable JAX function, for the
-    collectives that are linear in x: the VJP is `transpose(ct, *static)` and
-    needs no residuals. (all_reduce keeps its own rule: max/min/prod are not
-    linear.)"""
-    op = jax.custom_vjp(forward, nondiff_argnums=tuple(range(1, 1 + num_static)))
-    op.defvjp(lambda x, *static: (forward(x, *static), None),
-              lambda *args: (transpose(args[-1], *args[:num_static]),))
-    return op
+def timeout_ms(settings) -> np.int64:
+    return np.int64(max(1, round(settings.timeout_s * 1000)))
+
+
+def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None):
+    """A JAX primitive for one collective: abstract evaluation, a CPU lowering
+    (`lower(*operands, **params)` traced into the FFI call), and the rules.
+    Without `jvp` the op is linear (the JVP applies it to the tangent) and
+    `transpose(ct, *operands, **params)` is its transpose."""
+    p = Primitive(name)
+    p.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(p, mlir.lower_fun(lower, multiple_results=False), platform="cpu")
+    if jvp is None:
+        ad.deflinear2(p, transpose)
+    else:
+        ad.primitive_jvps[p] = jvp
+        if transpose is not None:
+            ad.primitive_transposes[p] = transpose
+    if batch is not None:
+        batching.fancy_primitive_batchers[p] = batch
+    return p
+
+
+def move_batch_to_front(x, d):
+    return x if d == 0 else jnp.moveaxis(x, d, 0)

@@ -1,45 +1,97 @@
-"""strata.all_gather — the twin of lax.all_gather."""
+"""strata.all_gather — the twin of lax.all_gather (and, with to="invarying",
+of lax.all_gather_invariant).
+
+The primitive `strata_all_gather` is linear: its transpose is reduce_scatter
+(varying result) or taking this rank's block of the cotangent (invariant)."""
 from __future__ import annotations
 
-import jax.numpy as jnp
+import math
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _config
 from . import _ffi
 
 OPNAME = "strata.all_gather"
+_TO = ("varying", "invarying")
 
 
-def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
-    """Gathers `x` from every rank of `axis_name` along `axis`."""
-    x = jnp.asarray(x)
-    _ffi.check_dtype(OPNAME, x)
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, to: str = "varying"):
+    """Gathers `x` (an array or a pytree) from every rank of `axis_name` along
+    `axis`: a new axis of the group's size (tiled=False) or concatenated into
+    `axis` (tiled=True). `to="invarying"` types the result invariant over the
+    group (lax.all_gather_invariant)."""
+    if to not in _TO:
+        raise ValueError(f"{OPNAME}: to must be one of {_TO}, got {to!r}")
     axes = _ffi.normalize_axes(axis_name)
-    _ffi.Group(OPNAME, axes)
-    ndim_out = x.ndim if tiled else x.ndim + 1
-    if not -ndim_out <= axis < ndim_out or (tiled and x.ndim == 0):
-        raise ValueError(f"{OPNAME}: axis {axis} is out of range for an operand of shape {x.shape} (tiled={tiled})")
-    axis = axis % ndim_out
-    return _all_gather(_ffi.make_varying(x, axes), axes, axis, bool(tiled))
+    mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
+    if vmap_axes:
+        if mesh_axes:
+            raise NotImplementedError(
+                f"{OPNAME}: axes {axes} mix vmap axes {vmap_axes} with mesh axes {mesh_axes}; gather them in two calls")
+        return lax.all_gather(x, axes, axis=axis, tiled=tiled, to=to)
+    group = _ffi.Group(OPNAME, axes).spec()
+    settings = _config.current()
+
+    def one(leaf):
+        leaf = jnp.asarray(leaf)
+        _ffi.check_dtype(OPNAME, leaf)
+        ndim_out = leaf.ndim if tiled else leaf.ndim + 1
+        if not -ndim_out <= axis < ndim_out or (tiled and leaf.ndim == 0):
+            raise ValueError(
+                f"{OPNAME}: axis {axis} is out of range for an operand of shape {leaf.shape} (tiled={tiled})")
+        leaf = _ffi.make_varying(leaf, axes)
+        return all_gather_p.bind(leaf, group=group, axis=axis % ndim_out, tiled=bool(tiled),
+                                 invariant=(to == "invarying"), settings=settings)
+
+    return jax.tree.map(one, x)
 
 
-def _forward(x, axes, axis, tiled):
-    group = _ffi.Group(OPNAME, axes)
-    n = group.size
-    # The runtime gathers whole blocks along a leading axis; move the gather
-    # axis there (free when it already is) and back afterwards.
-    block = jnp.moveaxis(x, axis, 0) if tiled else x
-    flat = block.reshape(1, -1)
-    out = _ffi.call("strata_all_gather", group, flat, (n, flat.shape[1]), block_elems=flat.size,
-                    out_vma=_ffi.varying_axes(x))
-    out = out.reshape((n,) + block.shape)
+def _out_shape(shape, n, axis, tiled):
+    shape = list(shape)
     if tiled:
-        out = out.reshape((n * block.shape[0],) + block.shape[1:])
-    return jnp.moveaxis(out, 0, axis)
+        shape[axis] *= n
+    else:
+        shape.insert(axis, n)
+    return tuple(shape)
 
 
-def _transpose(ct, axes, axis, tiled):
-    from .reduce_scatter import reduce_scatter
+def _abstract_eval(x, *, group, axis, tiled, invariant, settings):
+    vma = _ffi.varying_axes(x)
+    return _ffi.typed(x, shape=_out_shape(x.shape, group.size, axis, tiled),
+                      vma=vma - set(group.axes) if invariant else vma)
 
-    return reduce_scatter(ct, axes, scatter_dimension=axis, tiled=tiled)
+
+def _lower(x, *, group, axis, tiled, invariant, settings):
+    # The runtime gathers [rows, 1, block] into [rows, n, block]: rows are the
+    # dimensions before `axis`, so no axis ever has to move.
+    block = math.prod(x.shape[axis:])
+    out_shape = _out_shape(x.shape, group.size, axis, tiled)
+    return _ffi.call("strata_all_gather", group, x, out_shape, block_elems=block, settings=settings)
 
 
-_all_gather = _ffi.linear_collective(_forward, _transpose, 3)
+def _transpose(ct, x, *, group, axis, tiled, invariant, settings):
+    if invariant:
+        # Invariant -> varying: this rank's block of the cotangent.
+        ct = _ffi.make_varying(ct, group.axes)
+        size = x.aval.shape[axis] if tiled else 1
+        mine = lax.dynamic_slice_in_dim(ct, group.rank() * size, size, axis=axis)
+        return (mine if tiled else lax.squeeze(mine, (axis,)),)
+    from .reduce_scatter import reduce_scatter_p
+
+    return (reduce_scatter_p.bind(ct, group=group, dim=axis, tiled=tiled, op="sum", settings=settings),)
+
+
+def _batch(axis_data, vals, dims, *, group, axis, tiled, invariant, settings):
+    (x,), (d,) = vals, dims
+    if d is None:
+        return all_gather_p.bind(x, group=group, axis=axis, tiled=tiled, invariant=invariant,
+                                 settings=settings), None
+    x = _ffi.move_batch_to_front(x, d)
+    return all_gather_p.bind(x, group=group, axis=axis + 1, tiled=tiled, invariant=invariant,
+                             settings=settings), 0
+
+
+all_gather_p = _ffi.primitive("strata_all_gather", _abstract_eval, _lower, transpose=_transpose, batch=_batch)

@@ -1,67 +1,126 @@
-"""strata.all_reduce — the twin of lax.psum / pmax / pmin (and a product)."""
+"""strata.all_reduce — the twin of lax.psum / pmean / pmax / pmin (and a product).
+
+One primitive, `strata_all_reduce`: sum is linear (its transpose is psum's:
+invariant results hand each rank a varying copy of the cotangent, untracked
+ones sum again); max/min/prod have JVP rules whose tangents are sums, so
+reverse mode comes from transposing those (lax has no gradient for pmax/pmin:
+jax#7167)."""
 from __future__ import annotations
 
-from functools import partial
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import ad
 
+from . import _config
 from . import _ffi
 
 OPNAME = "strata.all_reduce"
+OPS = ("sum", "max", "min", "prod", "mean")
+_TWINS = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax.pmean}
 
 
 def all_reduce(x, axis_name, *, op: str = "sum"):
-    """Reduces `x` over the ranks of `axis_name`; every rank gets the result."""
-    _ffi.check_dtype(OPNAME, x, reduce_op=op)
+    """Reduces `x` (an array or a pytree of arrays) over the ranks of
+    `axis_name`; every rank gets the result. op="mean" is lax.pmean; a sum
+    of bools counts (int32), as lax.psum does."""
+    if op not in OPS:
+        raise ValueError(f"{OPNAME}: op must be one of {OPS}, got {op!r}")
     axes = _ffi.normalize_axes(axis_name)
-    _ffi.Group(OPNAME, axes)  # validate early, with the op's name
-    x = _ffi.make_varying(jnp.asarray(x), axes)
-    return _all_reduce(x, axes, op)
+    mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
+    group = _ffi.Group(OPNAME, mesh_axes).spec() if mesh_axes or not vmap_axes else None
+    settings = _config.current()
+
+    def one(leaf):
+        leaf = jnp.asarray(leaf)
+        reduce_op = "sum" if op == "mean" else op
+        _ffi.check_dtype(OPNAME, leaf, reduce_op=reduce_op)
+        if leaf.dtype == np.bool_ and reduce_op == "sum":
+            leaf = leaf.astype(jnp.int32)  # lax.psum counts bools
+        if vmap_axes:  # the batch is on this rank: no communication
+            leaf = _TWINS[reduce_op](leaf, vmap_axes) if reduce_op in _TWINS else _vmap_prod(leaf, vmap_axes)
+        if group is not None:
+            leaf = _ffi.make_varying(leaf, mesh_axes)
+            leaf = bind(leaf, group, reduce_op, settings)
+        return leaf / math.prod(lax.axis_size(a) for a in axes) if op == "mean" else leaf
+
+    return jax.tree.map(one, x)
 
 
-def _forward(x, axes, op):
-    group = _ffi.Group(OPNAME, axes)
-    out_vma = _ffi.varying_axes(x) - set(axes)
-    flat = x.reshape(1, -1) if x.ndim == 0 else x
+def _vmap_prod(x, axes):
+    return jnp.prod(lax.all_gather(x, axes), axis=0)
+
+
+def bind(x, group, op, settings=None):
+    return all_reduce_p.bind(x, group=group, op=op, invariant=_ffi.vma_checked(x, group.axes),
+                             settings=settings or _config.current())
+
+
+def _abstract_eval(x, *, group, op, invariant, settings):
+    return _ffi.typed(x, vma=_ffi.varying_axes(x) - set(group.axes))
+
+
+def _lower(x, *, group, op, invariant, settings):
+    flat = x.reshape(1) if x.ndim == 0 else x  # any shape: one block of all its bytes
     y = _ffi.call("strata_all_reduce", group, flat, flat.shape, block_elems=flat.size,
-                  out_vma=out_vma, reduce_op=_ffi.REDUCE_OPS[op])
+                  reduce_op=_ffi.REDUCE_OPS[op], settings=settings)
     return y.reshape(x.shape)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _all_reduce(x, axes, op):
-    return _forward(x, axes, op)
-
-
-def _fwd(x, axes, op):
-    y = _forward(x, axes, op)
-    return y, (x, y)
-
-
-def _bwd(axes, op, residuals, ct):
-    x, y = residuals
-    if _ffi.vma_checked(x, axes):
-        # The cotangent of an invariant result is already the total; hand
-        # each rank a (varying) copy, as psum's transpose does.
-        total = _ffi.make_varying(ct, axes)
-    else:
-        total = all_reduce(ct, axes, op="sum")
+def _jvp(primals, tangents, *, group, op, invariant, settings):
+    (x,), (t,) = primals, tangents
+    params = dict(group=group, op=op, invariant=invariant, settings=settings)
+    y = all_reduce_p.bind(x, **params)
+    if type(t) is ad.Zero:
+        return y, ad.Zero.from_primal_value(y)
+    total = partial_sum(group, invariant, settings)
     if op == "sum":
-        return (total,)
+        return y, total(t)
     if op in ("max", "min"):
-        # Split evenly between the ranks that hold the extreme (jnp.max's rule).
-        hit = (x == y).astype(ct.dtype)
-        ties = all_reduce(hit, axes, op="sum")
-        return (total * hit / _ffi.make_varying(ties, axes),)
-    # prod: d/dx_r Π x = Π_{s≠r} x_s, computed exactly (no division by zero).
+        return y, total(t * extreme_weights(x, y, total))
+    return y, total(t * product_of_others(x, group))
+
+
+def partial_sum(group, invariant, settings):
+    return lambda v: all_reduce_p.bind(v, group=group, op="sum", invariant=invariant, settings=settings)
+
+
+def extreme_weights(x, y_full, total):
+    """1/ties where x holds the extreme, else 0: the tangent (and gradient) of a
+    max/min is split evenly between the ranks that hold it (jnp.max's rule)."""
+    hit = (x == _ffi.make_varying(y_full, _ffi.varying_axes(x))).astype(x.dtype)
+    return hit / _ffi.make_varying(total(hit), _ffi.varying_axes(x))
+
+
+def product_of_others(x, group):
+    """Π_{s≠r} x_s on rank r, exact (no division, so zeros are fine)."""
     from .all_gather import all_gather
 
-    everyone = all_gather(x, axes)
-    rank = _ffi.Group(OPNAME, axes).rank()
-    others = jnp.where(jnp.arange(everyone.shape[0]).reshape((-1,) + (1,) * x.ndim) == rank,
-                       jnp.ones_like(everyone), everyone)
-    return (total * jnp.prod(others, axis=0),)
+    everyone = all_gather(x, group.axes)
+    own = (jnp.arange(group.size) == group.rank()).reshape((-1,) + (1,) * x.ndim)
+    return jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
 
 
-_all_reduce.defvjp(_fwd, _bwd)
+def _transpose(ct, x, *, group, op, invariant, settings):
+    if op != "sum":
+        raise NotImplementedError(f"{OPNAME}: op={op!r} is not linear; its JVP is what transposes")
+    if type(ct) is ad.Zero:
+        return (ad.Zero(x.aval),)
+    if invariant:
+        # The cotangent of an invariant result is already the total: each rank
+        # gets a (varying) copy, as psum's transpose does.
+        return (_ffi.make_varying(ct, group.axes),)
+    return (all_reduce_p.bind(ct, group=group, op="sum", invariant=False, settings=settings),)
+
+
+def _batch(axis_data, vals, dims, *, group, op, invariant, settings):
+    # Elementwise over ranks: the batch dimension rides along.
+    (x,), (d,) = vals, dims
+    return all_reduce_p.bind(x, group=group, op=op, invariant=invariant, settings=settings), d
+
+
+all_reduce_p = _ffi.primitive("strata_all_reduce", _abstract_eval, _lower, jvp=_jvp, transpose=_transpose,
+                              batch=_batch)

@@ -1,40 +1,61 @@
 """strata.broadcast — every rank gets rank `root`'s value (lax.pbroadcast's
-semantics; jax 0.10.2 lowers pbroadcast only on GPU)."""
+semantics; jax 0.10.2 lowers pbroadcast only on GPU).
+
+The primitive `strata_broadcast` is linear; its transpose sums the
+cotangents onto the root (the other ranks' inputs were not used)."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
+from . import _config
 from . import _ffi
 
 OPNAME = "strata.broadcast"
 
 
 def broadcast(x, axis_name, *, root: int = 0):
-    x = jnp.asarray(x)
-    _ffi.check_dtype(OPNAME, x)
+    """Rank `root`'s `x` (an array or a pytree) on every rank of `axis_name`."""
     axes = _ffi.normalize_axes(axis_name)
-    n = _ffi.Group(OPNAME, axes).size
-    if not isinstance(root, (int,)) or isinstance(root, bool) or not 0 <= root < n:
+    mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
+    if vmap_axes and mesh_axes:
+        raise NotImplementedError(f"{OPNAME}: axes {axes} mix vmap axes {vmap_axes} with mesh axes {mesh_axes}")
+    n = _ffi.Group(OPNAME, axes).size if not vmap_axes else jax.lax.axis_size(axes)
+    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < n:
         raise ValueError(f"{OPNAME}: root must be an int in [0, {n}) for axes {axes}, got {root!r}")
-    return _broadcast(_ffi.make_varying(x, axes), axes, int(root))
+    if vmap_axes:  # the batch is on this rank
+        return jax.tree.map(lambda v: lax.all_gather(v, axes)[root], x)
+    group = _ffi.Group(OPNAME, axes).spec()
+    settings = _config.current()
+
+    def one(leaf):
+        leaf = jnp.asarray(leaf)
+        _ffi.check_dtype(OPNAME, leaf)
+        leaf = _ffi.make_varying(leaf, axes)
+        return broadcast_p.bind(leaf, group=group, root=int(root), settings=settings)
+
+    return jax.tree.map(one, x)
 
 
-def _forward(x, axes, root):
-    group = _ffi.Group(OPNAME, axes)
-    flat = x.reshape(1, -1)
-    out = _ffi.call("strata_broadcast", group, flat, flat.shape, block_elems=flat.size,
-                    out_vma=_ffi.varying_axes(x), root=root)
-    return out.reshape(x.shape)
+def _abstract_eval(x, *, group, root, settings):
+    return _ffi.typed(x)
 
 
-def _transpose(ct, axes, root):
-    # Every rank's output came from the root: the root gets the sum of all
-    # cotangents, the others nothing.
+def _lower(x, *, group, root, settings):
+    return _ffi.call("strata_broadcast", group, x, x.shape, block_elems=x.size, root=root, settings=settings)
+
+
+def _transpose(ct, x, *, group, root, settings):
     from .all_reduce import all_reduce
 
-    total = _ffi.make_varying(all_reduce(ct, axes, op="sum"), axes)
-    is_root = _ffi.Group(OPNAME, axes).rank() == root
-    return jnp.where(is_root, total, jnp.zeros_like(total))
+    total = _ffi.make_varying(all_reduce(ct, group.axes, op="sum"), group.axes)
+    return (jnp.where(group.rank() == root, total, jnp.zeros_like(total)),)
 
 
-_broadcast = _ffi.linear_collective(_forward, _transpose, 2)
+def _batch(axis_data, vals, dims, *, group, root, settings):
+    (x,), (d,) = vals, dims
+    return broadcast_p.bind(x, group=group, root=root, settings=settings), d
+
+
+broadcast_p = _ffi.primitive("strata_broadcast", _abstract_eval, _lower, transpose=_transpose, batch=_batch)

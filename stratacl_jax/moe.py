@@ -89,7 +89,7 @@ def _call(target, group, operands, results, **attrs):
     return fn(
         *operands,
         group.meta(),
-        site_id=np.int64(next(_ffi._site_ids)),
+        site_id=np.int64(_ffi.next_site_id()),
         group_size=np.int32(group.size),
         num_devices=np.int32(group.num_devices),
         cores=np.int32(s.cores_per_npu),

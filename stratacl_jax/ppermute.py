@@ -1,8 +1,14 @@
-"""strata.ppermute — the twin of lax.ppermute."""
+"""strata.ppermute — the twin of lax.ppermute.
+
+The primitive `strata_ppermute` is linear; its transpose is the inverse
+permutation."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
+from . import _config
 from . import _ffi
 
 OPNAME = "strata.ppermute"
@@ -23,25 +29,43 @@ def _check_perm(perm, n, axes):
 
 
 def ppermute(x, axis_name, perm):
-    """Rank s sends `x` to rank d for each (s, d) in `perm`; ranks that receive
-    nothing get zeros."""
-    x = jnp.asarray(x)
-    _ffi.check_dtype(OPNAME, x)
+    """Rank s sends `x` (an array or a pytree) to rank d for each (s, d) in
+    `perm`; ranks that receive nothing get zeros."""
     axes = _ffi.normalize_axes(axis_name)
-    pairs = _check_perm(perm, _ffi.Group(OPNAME, axes).size, axes)
-    return _ppermute(_ffi.make_varying(x, axes), axes, pairs)
+    mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
+    if vmap_axes:
+        if mesh_axes:
+            raise NotImplementedError(f"{OPNAME}: axes {axes} mix vmap axes {vmap_axes} with mesh axes {mesh_axes}")
+        return lax.ppermute(x, axes, perm)
+    group = _ffi.Group(OPNAME, axes).spec()
+    pairs = _check_perm(perm, group.size, axes)
+    settings = _config.current()
+
+    def one(leaf):
+        leaf = jnp.asarray(leaf)
+        _ffi.check_dtype(OPNAME, leaf)
+        leaf = _ffi.make_varying(leaf, axes)
+        return ppermute_p.bind(leaf, group=group, pairs=pairs, settings=settings)
+
+    return jax.tree.map(one, x)
 
 
-def _forward(x, axes, pairs):
-    group = _ffi.Group(OPNAME, axes)
-    flat = x.reshape(1, -1)
-    out = _ffi.call("strata_ppermute", group, flat, flat.shape, block_elems=flat.size,
-                    out_vma=_ffi.varying_axes(x), perm=[v for pair in pairs for v in pair])
-    return out.reshape(x.shape)
+def _abstract_eval(x, *, group, pairs, settings):
+    return _ffi.typed(x)
 
 
-def _transpose(ct, axes, pairs):
-    return ppermute(ct, axes, [(d, s) for s, d in pairs])
+def _lower(x, *, group, pairs, settings):
+    return _ffi.call("strata_ppermute", group, x, x.shape, block_elems=x.size,
+                     perm=[v for pair in pairs for v in pair], settings=settings)
 
 
-_ppermute = _ffi.linear_collective(_forward, _transpose, 2)
+def _transpose(ct, x, *, group, pairs, settings):
+    return (ppermute_p.bind(ct, group=group, pairs=tuple((d, s) for s, d in pairs), settings=settings),)
+
+
+def _batch(axis_data, vals, dims, *, group, pairs, settings):
+    (x,), (d,) = vals, dims
+    return ppermute_p.bind(x, group=group, pairs=pairs, settings=settings), d
+
+
+ppermute_p = _ffi.primitive("strata_ppermute", _abstract_eval, _lower, transpose=_transpose, batch=_batch)

@@ -1,48 +1,118 @@
-"""strata.reduce_scatter — the twin of lax.psum_scatter (plus max/min/prod)."""
+"""strata.reduce_scatter — the twin of lax.psum_scatter (plus max/min/prod).
+
+The primitive `strata_reduce_scatter` with op="sum" is linear (transpose:
+all_gather); max/min/prod have JVP rules whose tangents are sum-scatters, as
+all_reduce's are."""
 from __future__ import annotations
 
-import jax.numpy as jnp
+import math
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.interpreters import ad
+
+from . import _config
 from . import _ffi
 
 OPNAME = "strata.reduce_scatter"
 
 
 def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False, op: str = "sum"):
-    """Reduces `x` over `axis_name`; rank r keeps block r of `scatter_dimension`."""
-    x = jnp.asarray(x)
-    _ffi.check_dtype(OPNAME, x, reduce_op=op)
+    """Reduces `x` (an array or a pytree) over `axis_name`; rank r keeps block
+    r of `scatter_dimension`."""
     axes = _ffi.normalize_axes(axis_name)
-    n = _ffi.Group(OPNAME, axes).size
-    if not -x.ndim <= scatter_dimension < x.ndim:
-        raise ValueError(f"{OPNAME}: scatter_dimension {scatter_dimension} is out of range for shape {x.shape}")
-    d = scatter_dimension % x.ndim
-    if tiled and x.shape[d] % n:
-        raise ValueError(f"{OPNAME}: dimension {d} of shape {x.shape} is not divisible by the {n} ranks of {axes}")
-    if not tiled and x.shape[d] != n:
-        raise ValueError(f"{OPNAME}: with tiled=False dimension {d} of shape {x.shape} must equal the {n} ranks of {axes}")
-    return _reduce_scatter(_ffi.make_varying(x, axes), axes, d, bool(tiled), op)
-
-
-def _forward(x, axes, d, tiled, op):
-    group = _ffi.Group(OPNAME, axes)
+    mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
+    if vmap_axes:
+        if mesh_axes or op != "sum":
+            raise NotImplementedError(
+                f"{OPNAME}: over vmap axes {vmap_axes} only op='sum' alone is supported (lax.psum_scatter)")
+        return lax.psum_scatter(x, axes, scatter_dimension=scatter_dimension, tiled=tiled)
+    group = _ffi.Group(OPNAME, axes).spec()
     n = group.size
-    moved = jnp.moveaxis(x, d, 0)
-    piece_shape = ((moved.shape[0] // n,) if tiled else ()) + moved.shape[1:]
-    flat = moved.reshape(n, -1)
-    out = _ffi.call("strata_reduce_scatter", group, flat, (1, flat.shape[1]), block_elems=flat.shape[1],
-                    out_vma=_ffi.varying_axes(x), reduce_op=_ffi.REDUCE_OPS[op])
-    out = out.reshape(piece_shape)
-    return jnp.moveaxis(out, 0, d) if tiled else out
+    settings = _config.current()
+
+    def one(leaf):
+        leaf = jnp.asarray(leaf)
+        _ffi.check_dtype(OPNAME, leaf, reduce_op=op)
+        if not -leaf.ndim <= scatter_dimension < leaf.ndim:
+            raise ValueError(f"{OPNAME}: scatter_dimension {scatter_dimension} is out of range for shape {leaf.shape}")
+        d = scatter_dimension % leaf.ndim
+        if tiled and leaf.shape[d] % n:
+            raise ValueError(
+                f"{OPNAME}: dimension {d} of shape {leaf.shape} is not divisible by the {n} ranks of {axes}")
+        if not tiled and leaf.shape[d] != n:
+            raise ValueError(
+                f"{OPNAME}: with tiled=False dimension {d} of shape {leaf.shape} must equal the {n} ranks of {axes}")
+        if leaf.dtype == jnp.bool_ and op == "sum":
+            leaf = leaf.astype(jnp.int32)  # counts, as all_reduce's sum of bools
+        leaf = _ffi.make_varying(leaf, axes)
+        return reduce_scatter_p.bind(leaf, group=group, dim=d, tiled=bool(tiled), op=op, settings=settings)
+
+    return jax.tree.map(one, x)
 
 
-def _transpose(ct, axes, d, tiled, op):
+def _out_shape(shape, n, dim, tiled):
+    shape = list(shape)
+    if tiled:
+        shape[dim] //= n
+    else:
+        del shape[dim]
+    return tuple(shape)
+
+
+def _abstract_eval(x, *, group, dim, tiled, op, settings):
+    return _ffi.typed(x, shape=_out_shape(x.shape, group.size, dim, tiled))
+
+
+def _lower(x, *, group, dim, tiled, op, settings):
+    # [rows, n, block] -> [rows, 1, block] with rows = the dimensions before
+    # `dim`: nothing moves.
+    block = math.prod(x.shape[dim:]) // group.size
+    return _ffi.call("strata_reduce_scatter", group, x, _out_shape(x.shape, group.size, dim, tiled),
+                     block_elems=block, reduce_op=_ffi.REDUCE_OPS[op], settings=settings)
+
+
+def _sum_scatter(group, dim, tiled, settings):
+    return lambda v: reduce_scatter_p.bind(v, group=group, dim=dim, tiled=tiled, op="sum", settings=settings)
+
+
+def _jvp(primals, tangents, *, group, dim, tiled, op, settings):
+    (x,), (t,) = primals, tangents
+    y = reduce_scatter_p.bind(x, group=group, dim=dim, tiled=tiled, op=op, settings=settings)
+    if type(t) is ad.Zero:
+        return y, ad.Zero.from_primal_value(y)
+    scatter = _sum_scatter(group, dim, tiled, settings)
+    if op == "sum":
+        return y, scatter(t)
+    from .all_gather import all_gather_p
+    from .all_reduce import product_of_others
+
+    if op in ("max", "min"):
+        # The full reduction, as every rank would see it, from the pieces.
+        y_full = all_gather_p.bind(y, group=group, axis=dim, tiled=tiled, invariant=False, settings=settings)
+        hit = (x == y_full).astype(x.dtype)
+        return y, scatter(t * hit) / scatter(hit)
+    return y, scatter(t * product_of_others(x, group))
+
+
+def _transpose(ct, x, *, group, dim, tiled, op, settings):
     if op != "sum":
-        raise NotImplementedError(
-            f"{OPNAME}: the gradient is defined for op='sum' only (as lax.psum_scatter); got op={op!r}")
-    from .all_gather import all_gather
+        raise NotImplementedError(f"{OPNAME}: op={op!r} is not linear; its JVP is what transposes")
+    if type(ct) is ad.Zero:
+        return (ad.Zero(x.aval),)
+    from .all_gather import all_gather_p
 
-    return all_gather(ct, axes, axis=d, tiled=tiled)
+    return (all_gather_p.bind(ct, group=group, axis=dim, tiled=tiled, invariant=False, settings=settings),)
 
 
-_reduce_scatter = _ffi.linear_collective(_forward, _transpose, 4)
+def _batch(axis_data, vals, dims, *, group, dim, tiled, op, settings):
+    (x,), (d,) = vals, dims
+    if d is None:
+        return reduce_scatter_p.bind(x, group=group, dim=dim, tiled=tiled, op=op, settings=settings), None
+    x = _ffi.move_batch_to_front(x, d)
+    return reduce_scatter_p.bind(x, group=group, dim=dim + 1, tiled=tiled, op=op, settings=settings), 0
+
+
+reduce_scatter_p = _ffi.primitive("strata_reduce_scatter", _abstract_eval, _lower, jvp=_jvp,
+                                  transpose=_transpose, batch=_batch)

@@ -106,9 +106,18 @@ def test_outside_shard_map_is_a_clear_error():
 
 
 @pytest.mark.parametrize("call,error,match", [
-    (lambda v: strata.all_reduce(v.astype(jnp.complex64), "x"), TypeError, "dtype complex64 is not supported"),
-    (lambda v: strata.all_reduce(v > 0, "x"), TypeError, "bool cannot be reduced"),
-    (lambda v: strata.all_reduce(v, "x", op="mean"), ValueError, "op must be one of"),
+    (lambda v: strata.all_reduce(v.astype(jnp.float8_e4m3fn), "x"), TypeError, "dtype float8_e4m3fn is not supported"),
+    (lambda v: strata.all_reduce(v.astype(jnp.complex64), "x", op="max"), TypeError, "complex numbers have no max"),
+    (lambda v: strata.reduce_scatter(v.astype(jnp.complex128), "x", op="min"), TypeError, "complex numbers have no min"),
+    (lambda v: strata.all_reduce(v, "x", op="median"), ValueError, "op must be one of"),
+    (lambda v: strata.all_gather(v, "x", to="reduced"), ValueError, "to must be one of"),
+    (lambda v: strata.ragged_all_to_all(v, v, jnp.zeros(8, jnp.int32), jnp.zeros(8, jnp.int32),
+                                        jnp.zeros(8, jnp.int32), jnp.zeros(7, jnp.int32), "x"),
+     ValueError, "recv_sizes must be 1-D with a positive multiple"),
+    (lambda v: strata.ragged_all_to_all(v, v.astype(jnp.float64), *[jnp.zeros(8, jnp.int32)] * 4, "x"),
+     ValueError, "must have one dtype"),
+    (lambda v: strata.ragged_all_to_all(v, v, *[jnp.zeros(8, jnp.float32)] * 4, "x"),
+     ValueError, "input_offsets must be of an integer type"),
     (lambda v: strata.all_reduce(v, "y"), NameError, "unbound axis name 'y'"),
     (lambda v: strata.ppermute(v, "x", [(0, 8)]), ValueError, "out of range"),
     (lambda v: strata.ppermute(v, "x", [(0, 1), (2, 1)]), ValueError, "repeats"),

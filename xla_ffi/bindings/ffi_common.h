@@ -34,6 +34,8 @@ inline std::optional<DType> ToDType(ffi::DataType t) {
     case ffi::DataType::U8: return DType::U8;
     case ffi::DataType::U32: return DType::U32;
     case ffi::DataType::PRED: return DType::PRED;
+    case ffi::DataType::C64: return DType::C64;
+    case ffi::DataType::C128: return DType::C128;
     default: return std::nullopt;
   }
 }

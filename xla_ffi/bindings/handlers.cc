@@ -45,6 +45,9 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   if (x.element_type() != out->element_type()) return Invalid(kKind, "input and output dtypes differ");
   if (meta.element_count() != 2) return Invalid(kKind, "rank operand must hold (rank, group)");
   if (group_size < 1) return Invalid(kKind, "group_size must be positive");
+  if (IsComplex(*dtype) && (reduce_op == static_cast<int32_t>(ReduceOp::kMax) ||
+                            reduce_op == static_cast<int32_t>(ReduceOp::kMin)))
+    return Invalid(kKind, "complex numbers have no max or min");
 
   OpParams p;
   p.kind = kKind;

@@ -21,6 +21,7 @@
 #include "ffi_common.h"
 #include "handlers.h"
 #include "moe_handlers.h"
+#include "ragged_handlers.h"
 
 namespace nb = nanobind;
 using namespace strata;
@@ -48,6 +49,7 @@ nb::dict Registrations() {
   d["strata_all_to_all"] = target(StrataAllToAll);
   d["strata_broadcast"] = target(StrataBroadcast);
   d["strata_ppermute"] = target(StrataPermute);
+  d["strata_ragged_all_to_all"] = target(StrataRaggedAllToAll);
   d["strata_moe_dispatch"] = target(StrataMoeDispatch);
   d["strata_moe_combine"] = target(StrataMoeCombine);
   d["strata_moe_combine_backward"] = target(StrataMoeCombineBackward);

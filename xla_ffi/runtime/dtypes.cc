@@ -153,11 +153,25 @@ void ReduceInt(ReduceOp op, void* const* outs, int num_outs, const void* const* 
   }
 }
 
+// Complex sums are sums of the interleaved (re, im) floats; products fold
+// pairs in rank order like every other kernel.
+template <typename F>
+void ReduceComplex(ReduceOp op, void* const* outs, int num_outs, const void* const* srcs, int n, size_t count, bool streaming) {
+  struct C { F re, im; };
+  if (op == ReduceOp::kSum) return ReduceFloat<F>(op, outs, num_outs, srcs, n, 2 * count, streaming);
+  C* const* o = reinterpret_cast<C* const*>(outs);
+  ReduceLoop<C>(o, num_outs, srcs, n, count, streaming,
+                [](C a, C b) { return C{a.re * b.re - a.im * b.im, a.re * b.im + a.im * b.re}; });
+}
+
 }  // namespace
+
+bool IsComplex(DType t) { return t == DType::C64 || t == DType::C128; }
 
 size_t DTypeSize(DType t) {
   switch (t) {
-    case DType::F64: case DType::S64: return 8;
+    case DType::C128: return 16;
+    case DType::F64: case DType::S64: case DType::C64: return 8;
     case DType::F32: case DType::S32: case DType::U32: return 4;
     case DType::F16: case DType::BF16: return 2;
     default: return 1;
@@ -166,7 +180,8 @@ size_t DTypeSize(DType t) {
 
 const char* DTypeName(DType t) {
   static const char* names[] = {"float32", "float64", "float16", "bfloat16", "int8",
-                                "int32", "int64", "uint8", "uint32", "bool"};
+                                "int32", "int64", "uint8", "uint32", "bool",
+                                "complex64", "complex128"};
   return names[static_cast<int>(t)];
 }
 
@@ -188,6 +203,8 @@ void ReduceInto(DType dtype, ReduceOp op, void* const* outs, int num_outs,
     case DType::U8: return ReduceInt<uint8_t, uint8_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
     case DType::U32: return ReduceInt<uint32_t, uint32_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
     case DType::PRED: return ReduceInt<uint8_t, uint8_t>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::C64: return ReduceComplex<float>(op, outs, num_outs, srcs, num_srcs, count, streaming);
+    case DType::C128: return ReduceComplex<double>(op, outs, num_outs, srcs, num_srcs, count, streaming);
   }
 }
 

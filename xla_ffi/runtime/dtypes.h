@@ -7,16 +7,19 @@
 
 namespace strata {
 
-enum class DType : int32_t { F32, F64, F16, BF16, S8, S32, S64, U8, U32, PRED };
+enum class DType : int32_t { F32, F64, F16, BF16, S8, S32, S64, U8, U32, PRED, C64, C128 };
 enum class ReduceOp : int32_t { kSum = 0, kMax = 1, kMin = 2, kProd = 3, kNone = 4 };
 
 size_t DTypeSize(DType t);
+bool IsComplex(DType t);
 const char* DTypeName(DType t);
 const char* ReduceOpName(ReduceOp op);
 
 // outs[d][i] = reduce_{k < num_srcs} srcs[k][i] for i < count and every d.
 // Sources fold in rank order and one executor writes every copy, so all
 // ranks get the same bits. 16-bit floats accumulate in float32 and round once.
+// Complex numbers: sum and prod only (they have no order); a product is the
+// plain (ac - bd, ad + bc), as XLA computes it.
 // `streaming`: write the outputs with non-temporal stores (see CopyBytes).
 void ReduceInto(DType dtype, ReduceOp op, void* const* outs, int num_outs,
                 const void* const* srcs, int num_srcs, size_t count, bool streaming = false);

@@ -1,0 +1,41 @@
+// ragged_all_to_all (lax.ragged_all_to_all's semantics): rank s sends rows
+// [input_offsets_s[d], + send_sizes_s[d]) of its operand to rank d, which
+// receives them at rows [output_offsets_s[d], + send_sizes_s[d]) of its output
+// (offsets in the receiver's buffer, chosen by the sender); rows nobody writes
+// keep the output's values. With k slices per peer, entry i goes to rank
+// i / k, and the receiver's recv_sizes[s * k + j] is sender s's j-th. Sizes are runtime values: every rank publishes its
+// offset/size vectors and the last rank to arrive reads them all, checks them
+// and copies the rows straight between the ranks' buffers.
+#pragma once
+#include <cstdint>
+#include <functional>
+
+#include "../runtime/dtypes.h"
+#include "../runtime/rendezvous.h"
+#include "../runtime/status.h"
+
+namespace strata {
+
+struct RaggedParams {
+  int32_t group_size = 1;
+  int32_t slices_per_peer = 1;  // offsets/sizes hold group_size * slices_per_peer entries
+  int64_t operand_rows = 0, output_rows = 0, row_bytes = 0;
+  DType dtype = DType::F32;
+};
+
+// One rank's buffers. `out` already holds the output operand's values.
+struct RaggedBuffers {
+  const void* operand = nullptr;
+  void* out = nullptr;
+  const int32_t* input_offsets = nullptr;   // [group_size * slices_per_peer]
+  const int32_t* send_sizes = nullptr;      // [group_size * slices_per_peer]
+  const int32_t* output_offsets = nullptr;  // [group_size * slices_per_peer], in each receiver's output
+  const int32_t* recv_sizes = nullptr;      // [group_size * slices_per_peer]
+};
+
+// Joins the group and returns at once; `done` runs once, when every rank's
+// rows have arrived (or with the error every rank gets).
+void RaggedAllToAllAsync(const RaggedParams& p, const CallSite& c, const RaggedBuffers& b,
+                         std::function<void(const Status&)> done);
+
+}  // namespace strata

@@ -6,11 +6,13 @@ collectives on fresh XLA buffers (jax.device_put each call), on arena buffers
 
 Prints one line per report and, per case, the growth from the first report
 (taken after warm-up, so compilation and first-touch caches are excluded) to
-the last. --max-growth-mb makes it exit 1 when a case grows more than that.
+the last (heap trimmed before each reading: see _trim). --max-growth-mb makes
+it exit 1 when a case grows more than that.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import sys
 
@@ -26,7 +28,18 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 
+def _trim() -> None:
+    """Returns glibc's free heap pages to the OS before a reading, so that the
+    series shows memory still in use, not what the allocator keeps cached
+    (which moves by a few MB either way from one reading to the next)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def rss_mb() -> float:
+    _trim()
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * 4096 / 2**20

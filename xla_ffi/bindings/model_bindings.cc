@@ -178,6 +178,50 @@ nb::ndarray<nb::numpy, int32_t> PairSlots(int ranks, int experts, int64_t capaci
   return ToNumpy(std::move(flat), {topk_idx.shape(0), topk_idx.shape(1)});
 }
 
+// An explicit program, for tests with closed-form answers: phases of
+// (kind, lanes, reduce, sync_before, repeat, pieces), a piece being
+// (rank, lane, [(rank, write, bytes), ...]).
+nb::dict ModelPieces(int num_ranks, int cores, int engines, nb::list phases, bool sync_end,
+                     nb::dict machine, std::vector<int32_t> rank_npu, bool keep_slices) {
+  Program prog;
+  prog.num_ranks = num_ranks;
+  prog.cores = cores;
+  prog.engines = engines;
+  prog.sync_end = sync_end;
+  prog.rank_npu = std::move(rank_npu);
+  for (nb::handle h : phases) {
+    nb::tuple t = nb::cast<nb::tuple>(h);
+    ModelPhase ph;
+    ph.kind = static_cast<PhaseKind>(nb::cast<int>(t[0]));
+    ph.lanes = static_cast<LaneKind>(nb::cast<int>(t[1]));
+    ph.reduce = nb::cast<bool>(t[2]);
+    ph.sync_before = nb::cast<bool>(t[3]);
+    ph.repeat = nb::cast<int64_t>(t[4]);
+    const int lanes = ph.lanes == kCore ? cores : engines;
+    for (nb::handle ph_piece : nb::cast<nb::list>(t[5])) {
+      nb::tuple pt = nb::cast<nb::tuple>(ph_piece);
+      ModelPiece piece;
+      piece.rank = nb::cast<int>(pt[0]);
+      piece.lane = nb::cast<int>(pt[1]);
+      if (piece.rank < 0 || piece.rank >= num_ranks || piece.lane < 0 || piece.lane >= lanes)
+        throw std::invalid_argument("piece outside the ranks or lanes");
+      piece.io_begin = static_cast<uint32_t>(ph.io.size());
+      for (nb::handle io : nb::cast<nb::list>(pt[2])) {
+        nb::tuple it = nb::cast<nb::tuple>(io);
+        IO x{nb::cast<int>(it[0]), nb::cast<int>(it[1]), nb::cast<int64_t>(it[2])};
+        if (x.rank < 0 || x.rank >= num_ranks) throw std::invalid_argument("io outside the ranks");
+        ph.io.push_back(x);
+      }
+      piece.io_end = static_cast<uint32_t>(ph.io.size());
+      ph.pieces.push_back(piece);
+    }
+    prog.phases.push_back(std::move(ph));
+  }
+  const Machine m = ToMachine(machine);
+  Result r = Simulate(prog, m, keep_slices);
+  return ToDict(r, prog);
+}
+
 nb::list TakeRecords() {
   int64_t dropped = 0;
   std::vector<TraceRecord> recs = TakeTraceRecords(&dropped);
@@ -237,6 +281,7 @@ nb::list TakeRecords() {
 void BindModel(nb::module_& m) {
   m.def("model_collective", &ModelCollective);
   m.def("model_moe", &ModelMoe);
+  m.def("model_pieces", &ModelPieces);
   m.def("moe_pair_slots", &PairSlots);
   m.def("trace_enable", [](bool on) { SetTraceEnabled(on); });
   m.def("trace_now_us", &TraceNowUs);

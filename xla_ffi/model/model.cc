@@ -1,6 +1,7 @@
 #include "model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <queue>
 #include <stdexcept>
 #include <utility>
@@ -120,9 +121,42 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       const ModelPiece& p = phase.pieces[i];
       by_lane[static_cast<size_t>(p.rank) * lanes + lane_offset + p.lane].push_back(i);
     }
+    // Bytes each piece moves, and its legs (resources it walks).
+    std::vector<int64_t> piece_moved(phase.pieces.size(), 0);
+    std::vector<int64_t> lane_moved(lane_q.size(), 0);
+    double legs_total = 0;
+    for (uint32_t i = 0; i < phase.pieces.size(); ++i) {
+      const ModelPiece& p = phase.pieces[i];
+      int64_t moved = 0, legs = 0;
+      if (p.transfer >= 0) {
+        const Transfer& tr = phase.plan->transfers[p.transfer];
+        legs = tr.src_count + tr.dst_count;
+        moved = p.bytes * legs;
+      } else {
+        for (uint32_t k = p.io_begin; k < p.io_end; ++k) moved += std::max<int64_t>(0, phase.io[k].bytes);
+        legs = p.io_end - p.io_begin;
+      }
+      piece_moved[i] = moved;
+      lane_moved[static_cast<size_t>(p.rank) * lanes + lane_offset + p.lane] += moved;
+      legs_total += static_cast<double>(legs);
+    }
+    // Queues serve segments, not whole pieces, so lanes that share a
+    // resource interleave on it (a piece that became ready late does not wait
+    // behind every early piece's whole reservation): about kSegmentsPerLane
+    // segments for the busiest lane, fewer when the walk would get too long.
+    constexpr double kSegmentsPerLane = 32, kWalkBudget = 1.5e7;
+    const int64_t busiest = *std::max_element(lane_moved.begin(), lane_moved.end());
+    double seg_bytes = std::max(4096.0, busiest / kSegmentsPerLane);
+    double walk = 0;
+    for (uint32_t i = 0; i < phase.pieces.size(); ++i) walk += std::ceil(piece_moved[i] / seg_bytes);
+    walk *= legs_total / std::max<double>(1, phase.pieces.size());
+    if (walk > kWalkBudget) seg_bytes *= walk / kWalkBudget;
+
     using Ready = std::pair<double, uint32_t>;  // (ready time, lane id)
     std::priority_queue<Ready, std::vector<Ready>, std::greater<Ready>> heap;
     std::vector<uint32_t> next(lane_q.size(), 0);
+    std::vector<int64_t> seg(lane_q.size(), 0), segs(lane_q.size(), 0);
+    std::vector<double> piece_start(lane_q.size(), 0);
     for (uint32_t l = 0; l < by_lane.size(); ++l)
       if (!by_lane[l].empty()) heap.push({phase_start, l});
     double phase_end = phase_start;
@@ -130,29 +164,37 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       const auto [ready, lane_id] = heap.top();
       heap.pop();
       const uint32_t pi = by_lane[lane_id][next[lane_id]];
-      const bool first = next[lane_id] == 0;
-      next[lane_id]++;
+      if (seg[lane_id] == 0) {
+        segs[lane_id] = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(piece_moved[pi] / seg_bytes)));
+        piece_start[lane_id] = ready;
+      }
+      const bool first = next[lane_id] == 0 && seg[lane_id] == 0;
+      const double frac = 1.0 / static_cast<double>(segs[lane_id]);
+      const bool last_seg = ++seg[lane_id] == segs[lane_id];
       const ModelPiece& piece = phase.pieces[pi];
       const int e = piece.rank;
       double lat = 0;
-      int64_t moved = 0;  // bytes read + written
+      double moved = 0;  // bytes read + written by this segment
       auto add = [&](size_t id, double bytes) {
         if (units[id] == 0) touched.push_back(id);
         units[id] += bytes;
       };
-      auto visit = [&](int rank, bool write, int64_t bytes) {
-        if (bytes <= 0) return;
+      auto visit = [&](int rank, bool write, int64_t whole) {
+        if (whole <= 0) return;
+        const double bytes = whole * frac;
         moved += bytes;
-        add(kHbm + rank, static_cast<double>(bytes));
+        add(kHbm + rank, bytes);
         if (rank == e) return;
         const int src = write ? e : rank, dst = write ? rank : e;
-        add(kEgress + src, static_cast<double>(bytes));
-        add(kIngress + dst, static_cast<double>(bytes));
+        add(kEgress + src, bytes);
+        add(kIngress + dst, bytes);
         const size_t path = static_cast<size_t>(src) * n + dst;
-        add(kPath + path, static_cast<double>(bytes));
+        add(kPath + path, bytes);
         lat = std::max(lat, path_lat[path]);
-        res.egress_bytes[src] += bytes;
-        res.ingress_bytes[dst] += bytes;
+        if (last_seg) {
+          res.egress_bytes[src] += whole;
+          res.ingress_bytes[dst] += whole;
+        }
       };
       if (piece.transfer >= 0) {
         const Transfer& tr = phase.plan->transfers[piece.transfer];
@@ -178,13 +220,19 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
         units[id] = 0;
       }
       touched.clear();
-      const double landed = end + lat;
       lane_q[lane_id].busy_us += end - ready;
-      lane_latency[lane_id] = std::max(lane_latency[lane_id], lat);
       lane_descriptor[lane_id] += descriptor;
-      if (keep_slices && res.slices.size() < max_slices)
-        res.slices.push_back({e, phase.lanes, piece.lane, static_cast<int32_t>(ph), ready, landed, moved});
-      phase_end = std::max(phase_end, landed);
+      if (last_seg) {
+        // The piece's data lands one path latency after its last segment.
+        const double landed = end + lat;
+        lane_latency[lane_id] = std::max(lane_latency[lane_id], lat);
+        if (keep_slices && res.slices.size() < max_slices)
+          res.slices.push_back({e, phase.lanes, piece.lane, static_cast<int32_t>(ph), piece_start[lane_id],
+                                end, static_cast<int64_t>(piece_moved[pi])});
+        phase_end = std::max(phase_end, landed);
+        seg[lane_id] = 0;
+        next[lane_id]++;
+      }
       if (next[lane_id] < by_lane[lane_id].size()) heap.push({end, lane_id});
     }
     const double duration = phase_end - phase_start;

@@ -85,7 +85,7 @@ class SupernodeSpec:
                           "derived: " + STRATACL + " says SDMA offload runs ~9 % slower than the cores "
                           "(24 cores at 95 % of peak), spread over the assumed 16 engines")
     sdma_descriptor_us: float = _f(90.0, "us", STRATACL + ": descriptor submission ~90 us; charged "
-                                   "once per engine per phase (how often is not published)")
+                                   "once per op that uses the engines, all engines in parallel (how often is not published)")
     ccl_buffer_bytes: int = _f(200 * 1024 * 1024, "B", HCCL_DOCS + ": 200 MB, two per communicator")
 
     @property

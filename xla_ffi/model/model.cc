@@ -85,7 +85,7 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
     return path_bw[id - kPath];
   };
   std::vector<Queue> lane_q(static_cast<size_t>(n) * lanes);
-  std::vector<double> lane_latency(lane_q.size(), 0.0), lane_descriptor(lane_q.size(), 0.0);
+  std::vector<double> lane_latency(lane_q.size(), 0.0);
 
   // Per piece: units (bytes) on each touched resource.
   std::vector<double> units(queues.size(), 0.0);
@@ -94,6 +94,13 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
 
   const double sync = GroupSyncUs(prog, m);
   double t = 0;
+  // The op's SDMA descriptor chains are submitted once, every engine in
+  // parallel, before anything moves.
+  for (const ModelPhase& phase : prog.phases)
+    if (phase.lanes == kSdma && !phase.pieces.empty()) {
+      t = res.descriptor_us = m.sdma_descriptor_us;
+      break;
+    }
   bool any_remote = false;
   for (size_t ph = 0; ph < prog.phases.size(); ++ph) {
     const ModelPhase& phase = prog.phases[ph];
@@ -103,12 +110,11 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       res.sync_us += sync;
     }
     const double phase_start = t;
-    std::vector<double> busy_before, lane_busy_before, descriptor_before;
+    std::vector<double> busy_before, lane_busy_before;
     std::vector<int64_t> egress_before, ingress_before;
     if (phase.repeat > 1) {
       for (const Queue& q : queues) busy_before.push_back(q.busy_us);
       for (const Queue& q : lane_q) lane_busy_before.push_back(q.busy_us);
-      descriptor_before = lane_descriptor;
       egress_before = res.egress_bytes;
       ingress_before = res.ingress_bytes;
     }
@@ -168,7 +174,7 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
         segs[lane_id] = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(piece_moved[pi] / seg_bytes)));
         piece_start[lane_id] = ready;
       }
-      const bool first = next[lane_id] == 0 && seg[lane_id] == 0;
+
       const double frac = 1.0 / static_cast<double>(segs[lane_id]);
       const bool last_seg = ++seg[lane_id] == segs[lane_id];
       const ModelPiece& piece = phase.pieces[pi];
@@ -207,8 +213,7 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
         any_remote = true;
         min_lat = std::min(min_lat, lat);
       }
-      const double descriptor = phase.lanes == kSdma && first ? m.sdma_descriptor_us : 0.0;
-      const double t0 = ready + descriptor;
+      const double t0 = ready;
       double end = t0 + moved / lane_rate;
       for (size_t id : touched) {
         const double serve = units[id] / bandwidth(id);
@@ -221,7 +226,6 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       }
       touched.clear();
       lane_q[lane_id].busy_us += end - ready;
-      lane_descriptor[lane_id] += descriptor;
       if (last_seg) {
         // The piece's data lands one path latency after its last segment.
         const double landed = end + lat;
@@ -249,7 +253,6 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       }
       for (size_t l = 0; l < lane_q.size(); ++l) {
         lane_q[l].busy_us += extra * (lane_q[l].busy_us - lane_busy_before[l]);
-        lane_descriptor[l] += extra * (lane_descriptor[l] - descriptor_before[l]);
       }
       for (int r = 0; r < n; ++r) {
         res.egress_bytes[r] += static_cast<int64_t>(extra) * (res.egress_bytes[r] - egress_before[r]);
@@ -267,7 +270,6 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
     res.lane_busy_us[l] = lane_q[l].busy_us;
     res.busiest_lane_us = std::max(res.busiest_lane_us, lane_q[l].busy_us);
     res.latency_us = std::max(res.latency_us, lane_latency[l]);
-    res.descriptor_us = std::max(res.descriptor_us, lane_descriptor[l]);
   }
   for (size_t id = 0; id < queues.size(); ++id) {
     double& slot = id < kEgress ? res.busiest_hbm_us : id < kIngress ? res.busiest_egress_us

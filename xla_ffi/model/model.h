@@ -14,15 +14,16 @@
 // rank's HBM, its UB egress and ingress, the path between each ordered pair
 // of ranks (one stream's measured bandwidth), and each lane. A lane works
 // through its pieces in order; a piece becomes ready when the lane finished
-// the previous one, waits an SDMA engine's descriptor cost on its first piece
-// of a phase, then reserves every resource it touches for bytes / bandwidth, each from the
+// the previous one, then reserves every resource it touches for bytes / bandwidth, each from the
 // moment that resource is free; the lane moves on when the last reservation
 // ends, and the piece's data lands one path latency later (a lane keeps
 // several requests in flight, so latency is paid once per piece but does not
 // stall the lane).
 // Pieces are served in order of readiness (a heap over lanes). A phase
 // starts when the previous one has ended on every rank, after a group sync
-// (the longest path latency in the group) where the phase needs peers.
+// (the longest path latency in the group) where the phase needs peers. An op
+// that uses SDMA engines first submits their descriptor chains (once per op,
+// all engines in parallel).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -42,7 +43,7 @@ struct Machine {
   double egress_gbps = 392, ingress_gbps = 392;  // UB per rank, unidirectional
   double hbm_gbps = 3200;                         // per rank, reads + writes
   double core_copy_gbps = 15.5, core_reduce_gbps = 15.5, sdma_gbps = 21.2;  // per lane
-  double sdma_descriptor_us = 90;  // per engine per phase
+  double sdma_descriptor_us = 90;  // once per op that uses SDMA
 };
 
 enum LaneKind : int32_t { kCore = 0, kSdma = 1 };

@@ -91,8 +91,8 @@ def _result(op, n, mode, nbytes, s_bytes, bus_bytes, raw, spec, settings, footpr
         "busiest_hbm_us", "busiest_egress_us", "busiest_ingress_us", "busiest_path_us")}
     return ModeledOp(
         op=op, npus=n, mode=mode, bytes_per_rank=int(nbytes), time_us=t,
-        algbw_gbps=s_bytes / (t * 1e3) if t > 0 else float("inf"),
-        busbw_gbps=bus_bytes / (t * 1e3) if t > 0 else float("inf"),
+        algbw_gbps=s_bytes / (t * 1e3) if t > 0 else 0.0,  # nothing to move: 0, as nccl-tests
+        busbw_gbps=bus_bytes / (t * 1e3) if t > 0 else 0.0,
         breakdown=breakdown,
         lane_busy_us={"core": busy[worst, :cores].tolist() if busy.size else [],
                       "sdma": busy[worst, cores:].tolist() if busy.size else []},

@@ -196,6 +196,26 @@ def test_all_to_all_on_384_npus_at_1gb_is_fast():
     assert took < 5.0  # ~0.2 s when the machine is idle
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float64", "bool"])
+@pytest.mark.parametrize("op", OPS)
+def test_odd_tiny_and_empty_sizes_in_every_dtype(op, dtype):
+    if dtype == "bool" and op in ("all_reduce", "reduce_scatter"):
+        with pytest.raises(TypeError, match="bool"):
+            model(op, 4096, dtype=dtype)
+        return
+    item = np.dtype(dtype if dtype != "bfloat16" else "float16").itemsize
+    empty = model(op, 0, npus=8, dtype=dtype)
+    assert empty.time_us == 0 and empty.busbw_gbps == 0
+    odd = model(op, 1_000_003, npus=8, dtype=dtype)
+    count = 1_000_003 // item
+    if op in ("reduce_scatter", "all_to_all"):
+        count -= count % 8
+    assert odd.bytes_per_rank == count * item
+    assert odd.time_us > model(op, 4096, npus=8, dtype=dtype).time_us > 0
+    one = model(op, item, npus=3, dtype=dtype)  # one element, 3 ranks (rs/a2a: one per rank)
+    assert one.time_us > 0
+
+
 # ---------------------------------------------------------------------- MoE
 MOE = dict(tokens=512, hidden=1024, top_k=4, num_experts=32, dtype="bfloat16")
 

@@ -51,6 +51,14 @@ Machine ToMachine(const nb::dict& d) {
   return m;
 }
 
+void CheckPlacement(const std::vector<int32_t>& rank_npu, int ranks) {
+  if (rank_npu.empty()) return;
+  if (static_cast<int>(rank_npu.size()) != ranks)
+    throw std::invalid_argument("rank_npu must place every rank (one NPU index per rank)");
+  for (int32_t v : rank_npu)
+    if (v < 0) throw std::invalid_argument("rank_npu holds a negative NPU index");
+}
+
 nb::dict ToDict(const Result& r, const Program& prog) {
   nb::dict d;
   d["time_us"] = r.time_us;
@@ -107,6 +115,7 @@ nb::dict ModelCollective(int kind, int dtype, int reduce_op, int root, std::vect
   p.planner = static_cast<Planner>(planner);
   p.comm_buffer_bytes = comm_buffer_bytes;
   const Machine m = ToMachine(machine);
+  CheckPlacement(rank_npu, group_size);
   Program prog;
   Result r;
   {
@@ -153,6 +162,7 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
   if (static_cast<int>(pair_slot.shape(0)) != ranks || static_cast<int64_t>(pair_slot.shape(1)) != tokens * topk)
     throw std::invalid_argument("pair_slot must be [ranks, tokens * top_k]");
   const Machine m = ToMachine(machine);
+  CheckPlacement(rank_npu, ranks);
   auto slots = Rows(pair_slot);
   Program prog;
   Result r;
@@ -188,6 +198,7 @@ nb::dict ModelPieces(int num_ranks, int cores, int engines, nb::list phases, boo
   prog.cores = cores;
   prog.engines = engines;
   prog.sync_end = sync_end;
+  CheckPlacement(rank_npu, num_ranks);
   prog.rank_npu = std::move(rank_npu);
   for (nb::handle h : phases) {
     nb::tuple t = nb::cast<nb::tuple>(h);

@@ -184,13 +184,10 @@ class Trace:
                 self._model_cache[key] = model(p["op"], bpr, planner=p["planner"], redop=p["redop"],
                                                root=p["root"], perm=perm, rows=p["rows"], **common)
             return self._model_cache[key]
-        routing = p["routing"]
-        if p["op"] == "moe_dispatch":
-            return model(p["op"], tokens=p["tokens"], hidden=p["hidden"], top_k=p["top_k"],
-                         num_experts=p["num_experts"], capacity=p["capacity"],
-                         topk_idx=routing.reshape(p["n"], p["tokens"], p["top_k"]), **common)
+        # The layout the runtime computed (every rank's pair_slot), not a re-derivation.
         return model(p["op"], tokens=p["tokens"], hidden=p["hidden"], top_k=p["top_k"],
-                     num_experts=p["num_experts"], capacity=p["capacity"], pair_slot=routing, **common)
+                     num_experts=p["num_experts"], capacity=p["capacity"], pair_slot=p["routing"],
+                     **common)
 
     def _placement(self, devices):
         """Where the group's ranks sit on the preset: device d is NPU d (the

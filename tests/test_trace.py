@@ -129,6 +129,11 @@ def test_trace_records_moe_routing(mesh8, tmp_path):
     ops = [o.op for o in tr.ops]
     assert ops == ["moe_dispatch", "moe_combine"]
     d = tr.ops[0]
+    # The recorded layout is the runtime's (dispatch's pair_slot output), and the
+    # model's own slot rule gives the same one from the routing.
+    from stratacl_jax import _core
+    want = _core.moe_pair_slots(n, e, t * k, np.ascontiguousarray(idx.reshape(n, t * k)))
+    np.testing.assert_array_equal(d.params["routing"], want)
     ref = strata.emulator.model("moe_dispatch", npus=n, tokens=t, hidden=h, top_k=k, num_experts=e,
                                 topk_idx=idx.reshape(n, t, k), capacity=t * k, dtype="float32")
     assert d.modeled_us["strata"] == pytest.approx(ref.time_us)

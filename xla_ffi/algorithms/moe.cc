@@ -429,7 +429,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, const
   Status st = CheckCall(kDispatchName, p, c);
   if (!st.ok) return done(st);
   if (model::TraceEnabled())
-    done = model::TraceMoe(model::kMoeDispatch, p, c, topk_idx, p.tokens * p.topk, std::move(done));
+    done = model::TraceMoe(model::kMoeDispatch, p, c, pair_slot, p.tokens * p.topk, true, std::move(done));
   const int n = p.group_size;
   const int32_t num_e = p.num_experts;
   const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
@@ -561,7 +561,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   Status st = CheckCall(kCombineName, p, c);
   if (!st.ok) return done(st);
   if (model::TraceEnabled())
-    done = model::TraceMoe(model::kMoeCombine, p, c, pair_slot, p.tokens * p.topk, std::move(done));
+    done = model::TraceMoe(model::kMoeCombine, p, c, pair_slot, p.tokens * p.topk, false, std::move(done));
   if (!MoeSupportsCombine(p.dtype))
     return done(Status::Error(std::string(kCombineName) + ": rows must be a float type, got " +
                               DTypeName(p.dtype)));
@@ -635,7 +635,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   Status st = CheckCall(kCombineBwdName, p, c);
   if (!st.ok) return done(st);
   if (model::TraceEnabled())
-    done = model::TraceMoe(model::kMoeCombineBackward, p, c, pair_slot, p.tokens * p.topk, std::move(done));
+    done = model::TraceMoe(model::kMoeCombineBackward, p, c, pair_slot, p.tokens * p.topk, false, std::move(done));
   if (!MoeSupportsCombine(p.dtype))
     return done(Status::Error(std::string(kCombineBwdName) + ": rows must be a float type, got " +
                               DTypeName(p.dtype)));

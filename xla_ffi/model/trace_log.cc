@@ -17,10 +17,13 @@ std::mutex& g_mu = *new std::mutex;
 std::vector<TraceRecord>& g_records = *new std::vector<TraceRecord>;
 int64_t g_dropped = 0;
 
-Done Wrap(std::shared_ptr<TraceRecord> rec, Done done) {
-  return [rec = std::move(rec), done = std::move(done)](const Status& st) {
+Done Wrap(std::shared_ptr<TraceRecord> rec, Done done, const int32_t* read_at_end = nullptr,
+          int64_t count = 0) {
+  return [rec = std::move(rec), done = std::move(done), read_at_end, count](const Status& st) {
     rec->end_us = TraceNowUs();
     rec->ok = st.ok;
+    // Outputs are written and still ours until `done` hands them back to XLA.
+    if (st.ok && read_at_end && count > 0) rec->routing.assign(read_at_end, read_at_end + count);
     {
       std::lock_guard<std::mutex> lock(g_mu);
       if (g_records.size() < kMaxRecords) g_records.push_back(std::move(*rec));
@@ -59,9 +62,10 @@ Done TraceCollective(const OpParams& p, const CallSite& c, Done done) {
 }
 
 Done TraceMoe(RecordKind kind, const MoeParams& p, const CallSite& c, const int32_t* routing,
-              int64_t routing_count, Done done) {
+              int64_t routing_count, bool read_at_end, Done done) {
   auto rec = Begin(kind, c);
   rec->moe = p;
+  if (read_at_end) return Wrap(std::move(rec), std::move(done), routing, routing_count);
   if (routing && routing_count > 0) rec->routing.assign(routing, routing + routing_count);
   return Wrap(std::move(rec), std::move(done));
 }

@@ -20,7 +20,9 @@ struct TraceRecord {
   RecordKind kind = kCollective;
   OpParams op;    // collectives
   MoeParams moe;  // MoE ops
-  std::vector<int32_t> routing;  // dispatch: topk_idx; combine (and backward): pair_slot
+  // The layout the runtime computed: pair_slot [T*K] of this rank (dispatch:
+  // its output, read when the op completed; combine: its input).
+  std::vector<int32_t> routing;
   int64_t run_id = 0, site_id = 0;
   int32_t group_id = 0, rank = 0, device = 0;
   double arrive_us = 0, end_us = 0;
@@ -34,8 +36,10 @@ double TraceNowUs();  // steady clock, the records' time base
 using Done = std::function<void(const Status&)>;
 // Notes the arrival now and returns `done` wrapped to note the end.
 Done TraceCollective(const OpParams& p, const CallSite& c, Done done);
+// `routing` (pair_slot, `routing_count` entries) is copied now, or when the op
+// completes successfully if `read_at_end` (an output the op fills).
 Done TraceMoe(RecordKind kind, const MoeParams& p, const CallSite& c, const int32_t* routing,
-              int64_t routing_count, Done done);
+              int64_t routing_count, bool read_at_end, Done done);
 
 // The completed records so far (removed from the log); at most kMaxRecords
 // are kept, `dropped` counts the rest.

@@ -6,8 +6,8 @@ Chrome/Perfetto trace with two views.
     tr.ops      # op, group_size, bytes_per_rank, mode, host_us, modeled_us, ...
 
 Host view (process "host"): a track per emulated NPU (JAX device); each op
-is a slice from the rank's arrival to the op's end on it, its wait for the
-last peer marked. Modeled view: a process per NPU of the preset with a track
+is a slice from the rank's arrival to the op's end on it, with a nested
+"wait for peers" slice up to the last rank's arrival. Modeled view: a process per NPU of the preset with a track
 per vector core and SDMA engine; the ops are laid end to end per rank in the
 order the host started them, each timed by the supernode model in the mode
 it ran with (per lane, one slice per phase: first piece to last).
@@ -226,6 +226,9 @@ class Trace:
                                     "waited_for_last_us": max(0.0, last - a),
                                     "last_to_arrive": o.last_to_arrive, "host_us": o.host_us,
                                     "modeled_us": o.modeled_us}})
+                if last > a and o.group_size > 1:  # nested: the part spent waiting for peers
+                    ev.append({"ph": "X", "name": "wait for peers", "pid": HOST_PID, "tid": tid, "ts": a,
+                               "dur": min(last, e) - a, "args": {"last_to_arrive": o.last_to_arrive}})
                 if rank == o.last_to_arrive and o.group_size > 1:
                     ev.append({"ph": "i", "s": "t", "name": "last to arrive", "pid": HOST_PID, "tid": tid,
                                "ts": a, "args": {"op": o.op, "rank": rank}})

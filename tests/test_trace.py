@@ -56,10 +56,15 @@ def check_trace_file(path, devices):
     for e in ev:
         if e["ph"] == "X":
             tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    eps = 1e-6
     for key, spans in tracks.items():
-        spans.sort()
-        for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
-            assert b0 >= a1 - 1e-6 or b1 <= a1 + 1e-6, (key, (a0, a1), (b0, b1))
+        spans.sort(key=lambda s: (s[0], -s[1]))  # parents before the children they hold
+        open_ends: list[float] = []
+        for b0, b1 in spans:
+            while open_ends and b0 >= open_ends[-1] - eps:
+                open_ends.pop()  # that slice has ended
+            assert not open_ends or b1 <= open_ends[-1] + eps, (key, (b0, b1), open_ends[-1])
+            open_ends.append(b1)
     return doc
 
 

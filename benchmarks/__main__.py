@@ -7,6 +7,7 @@ PjRt thread pool can still be set.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -87,20 +88,74 @@ def tour(targs) -> int:
         print(f"# note: {reason}; strata rows will be skipped", flush=True)
     plan = QUICK if targs.quick else TOUR
     md = [f"# Benchmark tour ({targs.npus} emulated NPUs)", ""]
+    reports: dict[str, common.Report] = {}
     for name in ("collectives", "moe", "train"):
         argv = plan[name] + ["--npus", str(targs.npus), "--out", targs.out]
+        if name == "train":
+            argv += ["--trace", os.path.join(targs.out, "train_step_trace.json")]
         if targs.no_progress:
             argv.append("--no-progress")
         args = parse(name, argv)
         print(f"\n## {name}: python -m benchmarks {name} {' '.join(argv)}\n", flush=True)
         report = run_one(name, args)
+        reports[name] = report
         md += [f"## {name}", "", "```", f"python -m benchmarks {name} {' '.join(argv)}", "```",
                "", "```", *report.tables, "```", "", f"![{name}]({name}.png)", ""]
+    summary = tour_summary(reports, targs.npus)
+    print("\n" + summary, flush=True)
+    md[2:2] = ["## Summary", "", "```", summary, "```", ""]
     path = os.path.join(targs.out, "report.md")
     with open(path, "w") as f:
         f.write("\n".join(md))
     print(f"# wrote {path}\n# tour finished in {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _geomean(vals):
+    vals = [v for v in vals if v and v > 0]
+    return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
+
+
+def tour_summary(reports: dict, npus: int) -> str:
+    """What the tour found, in a few lines: host speedups over lax, and the same ops
+    modeled on the supernode (strata vs buffer_centric)."""
+    lines = ["# What the tour found"]
+    coll = reports.get("collectives")
+    if coll is not None:
+        rows = [r for r in coll.rows if r.get("impl") == "strata" and r.get("status") == "ok"]
+        mine = [r for r in rows if r.get("mode") == "strata"]
+        for op in dict.fromkeys(r["op"] for r in mine):
+            rs = [r for r in mine if r["op"] == op]
+            sp = _geomean([r.get("speedup") for r in rs])
+            big = max(rs, key=lambda r: r["size"])
+            model = (f"modeled on the supernode at {big['size']} B: {big['modeled_busbw']:.3g} GB/s busbw, "
+                     f"buffer_centric {big['modeled_bc_ratio']:.2f}x slower"
+                     if big.get("modeled_busbw") else "no model")
+            host = f"{sp:.2f}x lax (geomean over sizes)" if sp else "no lax peer"
+            lines.append(f"  {op:<15} host: {host}; {model}")
+    moe_r = reports.get("moe")
+    if moe_r is not None:
+        for r in moe_r.rows:
+            if r.get("impl") == "strata" and r.get("mode") == "strata" and r.get("status") == "ok" \
+                    and r["op"] in ("dispatch", "combine"):
+                sp = f"{r['speedup']:.2f}x lax" if r.get("speedup") else "no lax peer"
+                mod = (f"modeled {r['modeled_us']:.1f} us, buffer_centric {r['modeled_bc_ratio']:.2f}x slower"
+                       if r.get("modeled_us") else "no model")
+                lines.append(f"  moe {r['op']:<11} host: {sp}; {mod}")
+    tr = reports.get("train")
+    if tr is not None:
+        for r in tr.rows:
+            if r.get("impl") == "strata" and r.get("mode") == "strata" and r.get("status") == "ok":
+                if r.get("speedup"):
+                    lines.append(f"  training step   host: {r['step_ms']:.2f} ms, {r['speedup']:.2f}x lax")
+                if r.get("traced_ops"):
+                    lines.append(f"                  {r['traced_ops']} strata ops: "
+                                 f"{r['traced_host_comm_ms']:.2f} ms on this host; modeled "
+                                 f"{r['modeled_comm_strata_ms'] * 1e3:.1f} us on the supernode "
+                                 f"(buffer_centric {r['modeled_comm_buffer_centric_ms'] * 1e3:.1f} us)")
+        if tr.params.get("trace_path"):
+            lines.append(f"  trace of one training step: {tr.params['trace_path']} (open in ui.perfetto.dev)")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(name, argv[1:])
         if getattr(args, "impl", "all") == "lax":
             common.disable_strata("--impl lax")
-        if not (name == "collectives" and collectives.isolated(args)):
+        if not (name == "collectives" and collectives.isolated(args)) and not getattr(args, "model_only", False):
             common.setup_devices(npus_for(name, args))  # (isolated: each child does its own)
         run_one(name, args)
         return 0

@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import common
+from . import common, modeled
 from .common import Col, Report
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
@@ -230,6 +230,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="run each op and impl in a child process (auto: when N > 64)")
     p.add_argument("--child-timeout", type=float, default=1800, help=argparse.SUPPRESS)
     p.add_argument("--rows-jsonl", default=None, help=argparse.SUPPRESS)  # child -> parent
+    modeled.add_model_args(p, npus_default="8,32,384", sizes=True)
     common.add_output_args(p)
 
 
@@ -295,6 +296,9 @@ def run(args) -> Report:
     dtype = DTYPE_ALIASES.get(args.datatype, args.datatype)
     if dtype not in DTYPES:
         raise SystemExit(f"unknown dtype {args.datatype!r}: {', '.join(DTYPES)}")
+    if getattr(args, "model_only", False):
+        args.datatype = dtype
+        return modeled.collectives_sweep(args)
     if dtype.endswith("64"):
         jax.config.update("jax_enable_x64", True)
     ops = common.split_list(args.ops, OPS, "--op")
@@ -329,6 +333,7 @@ def run(args) -> Report:
         report.rows.extend(op_rows)
         if args.rows_jsonl:
             return report  # a child of an isolated run: the parent renders the tables
+        modeled.collective_columns(op_rows, args.spec)
         strata_ok = any(r["impl"] == "strata" and r["status"] == "ok" for r in op_rows)
         for impl, mode in variants:
             # lax shows up as the peer columns of the strata tables, or alone when no strata
@@ -630,14 +635,19 @@ def _table(rows, impl, mode, with_peer, n, shape, dtype) -> str:
             if r.get("floor_share_net") is not None:
                 t["floor_net_pct"] = 100 * r["floor_share_net"]
         out.append(t)
-    cols = COLS + (PEER_COLS if with_peer else []) + FLOOR_COLS
+    with_model = impl == "strata" and any(r.get("modeled_us") is not None for r in mine)
+    cols = COLS + (PEER_COLS if with_peer else []) + FLOOR_COLS + (modeled.MODEL_COLS if with_model else [])
     groups = [("", 5), (impl if impl == "lax" else f"strata mode={mode}", 4)]
     groups += ([("lax peer", 3)] if with_peer else []) + [("memory floor, XLA launch", 4)]
+    groups += [("modeled on the supernode", 3)] if with_model else []
     ok = [r for r in mine if r["status"] == "ok"]
     avg = sum(r["busbw"] for r in ok) / len(ok) if ok else float("nan")
     footer = [f"Out of bounds values : {sum(1 for r in ok if r.get('wrong'))} "
               f"{'OK' if all(not r.get('wrong') for r in ok) else 'FAILED'}",
               f"Avg bus bandwidth    : {avg:.4g} GB/s"]
+    if with_model:
+        footer.append("modeled: the same op, N and size timed by strata.emulator.model on the preset "
+                      "(this row's mode); bc/strata = modeled buffer_centric time / strata time")
     if with_peer:
         lax_ok = [peers[r["size"]] for r in mine if peers.get(r["size"], {}).get("status") == "ok"]
         if lax_ok:
@@ -663,6 +673,8 @@ def _table(rows, impl, mode, with_peer, n, shape, dtype) -> str:
 
 
 def plot(report: Report, path: str) -> None:
+    if report.params.get("model_only"):
+        return modeled.plot_collectives(report, path)
     plt = common.pyplot()
     rows = [r for r in report.rows if r["status"] == "ok"]
     ops = [o for o in report.params["ops"] if any(r["op"] == o for r in rows)]

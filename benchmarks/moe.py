@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from . import common
+from . import common, modeled
 from .common import Col, Report
 
 MOE_OPS = ("dispatch", "combine", "layer")
@@ -186,6 +186,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default="all", help="strata, lax, or all")
     p.add_argument("--seed", type=int, default=0)
     common.add_timing_args(p)
+    modeled.add_model_args(p, npus_default="8,16,32,64,128", sizes=False)
     common.add_output_args(p)
 
 
@@ -217,6 +218,16 @@ def run(args) -> Report:
 
     from .collectives import DTYPE_ALIASES, np_dtype
 
+    if getattr(args, "model_only", False):
+        # DeepEP's test shape unless the command line asks for another one.
+        given = set(getattr(args, "_argv", []))
+        for flag, key in (("--tokens", "tokens"), ("--hidden", "hidden"), ("--topk", "top_k"),
+                          ("--experts", "num_experts")):
+            if flag not in given:
+                setattr(args, flag[2:], modeled.DEEPEP[key])
+        if not ({"-d", "--datatype"} & given):
+            args.datatype = modeled.DEEPEP["dtype"]
+        return modeled.moe_sweep(args)
     n = args.npus
     tkn, h, k, ne = args.tokens, args.hidden, args.topk, args.experts
     if ne % n:
@@ -396,8 +407,35 @@ def run(args) -> Report:
         if r["impl"] == "strata" and r["status"] == "ok" and peer and peer["status"] == "ok":
             r["lax_time_us"] = peer["time_us"]
             r["speedup"] = peer["time_us"] / r["time_us"]
+    _modeled_columns(report, strata, n, tkn, h, k, ne, cap, dtype, idx_all)
     report.emit(_table(report, params))
     return report
+
+
+def _modeled_columns(report, strata, n, tkn, h, k, ne, cap, dtype, idx_all) -> None:
+    """The same dispatch/combine, with this run's routing, timed by the supernode model."""
+    em = getattr(strata, "emulator", None) if strata is not None else None
+    if em is None or not hasattr(em, "model"):
+        return
+    shape = dict(npus=n, tokens=tkn, hidden=h, top_k=k, num_experts=ne, capacity=cap,
+                 topk_idx=idx_all, dtype=dtype)
+    got = {}
+    for op in ("dispatch", "combine"):
+        try:
+            s = em.model(f"moe_{op}", mode="strata", **shape)
+            b = em.model(f"moe_{op}", mode="buffer_centric", **shape)
+            got[op] = (s.time_us, b.time_us)
+        except Exception as e:
+            got[op] = common.one_line(e)
+    for r in report.rows:
+        v = got.get(r["op"])
+        if r["impl"] != "strata" or v is None:
+            continue
+        if isinstance(v, str):
+            r["modeled_reason"] = v
+            continue
+        r["modeled_us"] = v[1] if r["mode"] == "buffer_centric" else v[0]
+        r["modeled_bc_ratio"] = v[1] / v[0]
 
 
 def _check_dispatch(out, exp_recv, exp_counts, exp_drop, n, el) -> int:
@@ -420,7 +458,9 @@ def _check_dispatch(out, exp_recv, exp_counts, exp_drop, n, el) -> int:
 COLS = [Col("op", "op", "", "", 8), Col("impl_name", "impl", "", "", 21),
         Col("time_us", "time", "(us)", ".1f", 10), Col("bw", "bw", "(GB/s)", ".3f", 7),
         Col("wrong", "#wrong", "", "d", 6), Col("lax_time_us", "lax time", "(us)", ".1f", 10),
-        Col("speedup", "speedup", "(x)", ".2f", 7)]
+        Col("speedup", "speedup", "(x)", ".2f", 7),
+        Col("modeled_us", "modeled", "(us)", ".1f", 9),
+        Col("modeled_bc_ratio", "bc/strata", "(x)", ".2f", 9)]
 
 
 def _table(report: Report, p: dict) -> str:
@@ -438,11 +478,15 @@ def _table(report: Report, p: dict) -> str:
               f"({p['accepted_pairs']} pairs accepted, {p['dropped_pairs']} dropped)",
               f"layer: lax = {p.get('layer_reference', 'reference')}; strata #wrong = "
               "elements with |strata - lax| > 1e-3 + 1e-3|lax| (N/A when the lax layer is not "
-              "the library's reference)"]
+              "the library's reference)",
+              "modeled = the same op with this run's routing timed by strata.emulator.model on "
+              "cloudmatrix384 (the row's mode); bc/strata = modeled buffer_centric / strata"]
     return common.render_table(COLS, rows, title=title, footer=footer)
 
 
 def plot(report: Report, path: str) -> None:
+    if report.params.get("model_only"):
+        return modeled.plot_moe(report, path)
     plt = common.pyplot()
     rows = [r for r in report.rows if r["status"] == "ok"]
     if not rows:

@@ -120,6 +120,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     common.add_timing_args(p, 3, "interleaved timing rounds over the variants; the median "
                                  "round is reported (3)")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="after timing, run one step of each strata variant under "
+                        "strata.emulator.trace and write the strata-mode one to PATH "
+                        "(Chrome/Perfetto JSON: host view and modeled supernode view)")
     common.add_output_args(p)
 
 
@@ -221,6 +225,8 @@ def run(args) -> Report:
             row["iters"] = timing.iters
     if hasattr(bar, "close"):
         bar.close()
+    if args.trace:
+        _trace_steps(prepared, strata, args.trace, prm)
     for row in report.rows:
         if row["status"] == "ok" and row.get("rounds_ms"):
             row["step_ms"] = float(np.median(row["rounds_ms"]))
@@ -241,6 +247,34 @@ COLS = [Col("name", "collectives", "", "", 22), Col("step_ms", "step", "(ms)", "
         Col("speedup", "speedup", "(x)", ".2f", 7)]
 
 
+def _trace_steps(prepared, strata, path: str, prm: dict) -> None:
+    """One traced step per strata variant: its ops on this host and modeled on the
+    supernode; the strata-mode trace goes to `path`."""
+    import jax
+
+    em = getattr(strata, "emulator", None) if strata is not None else None
+    if em is None or not hasattr(em, "trace"):
+        return
+    for item in prepared:
+        row, step, ctx, state = item
+        if row["impl"] != "strata" or row["status"] != "ok":
+            continue
+        try:
+            with ctx(), em.trace(path if row["mode"] == "strata" else None) as tr:
+                out = jax.block_until_ready(step(*state))
+        except Exception as ex:
+            row["trace_error"] = common.one_line(ex)
+            continue
+        item[3] = (out[0], state[1], state[2])
+        row["traced_ops"] = len(tr.ops)
+        row["traced_host_comm_ms"] = sum(o.host_us for o in tr.ops) / 1e3
+        for m in ("strata", "buffer_centric"):
+            row[f"modeled_comm_{m}_ms"] = sum(o.modeled_us.get(m) or 0.0 for o in tr.ops) / 1e3
+        if row["mode"] == "strata":
+            prm["trace_path"] = path
+            prm["trace_summary"] = tr.summary()
+
+
 def _table(report: Report, p: dict) -> str:
     rows = []
     for r in report.rows:
@@ -253,6 +287,14 @@ def _table(report: Report, p: dict) -> str:
              f"hidden={p['hidden']} ffn={p['ffn']} experts={p['experts']} top-k={p['topk']} "
              f"capacity={p['capacity']} params={p['params']}")
     foot = ["#wrong: updated parameters differing from the lax step by > 1e-5 + 1e-4|lax|"]
+    for r in report.rows:
+        if r.get("traced_ops"):
+            foot.append(f"strata {r['mode']}: one traced step, {r['traced_ops']} strata ops, "
+                        f"{r['traced_host_comm_ms']:.2f} ms of them on this host; modeled on "
+                        f"cloudmatrix384: {r['modeled_comm_strata_ms']:.3f} ms (strata), "
+                        f"{r['modeled_comm_buffer_centric_ms']:.3f} ms (buffer_centric)")
+    if p.get("trace_path"):
+        foot.append(f"trace of the strata step: {p['trace_path']} (open in ui.perfetto.dev)")
     return common.render_table(COLS, rows, title=title, footer=foot)
 
 

@@ -6,11 +6,17 @@ its backend starts, so ask for them first:
     import stratacl_jax as strata
     strata.emulator.ensure_devices(8)      # before any JAX computation
     mesh = strata.emulator.make_mesh((2, 4), ("node", "npu"))
+
+It also models the supernode: ``model(op, bytes_per_rank, npus=...)`` times
+the plan the runtime would execute on the preset's links, memory and lanes
+(no host execution), and ``trace()`` records real runs with their modeled
+twins as a Chrome/Perfetto trace.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import jax
 import numpy as np
@@ -20,42 +26,120 @@ from jax.sharding import AxisType, Mesh
 from . import _runtime_setup
 
 
+# Where each figure comes from. "derived" and "assumed" figures are not
+# published: they are parameters, and say how they were obtained. Nothing here
+# was fitted to make a modeled result match a published one.
+CM384 = "CloudMatrix384, arXiv 2506.12708"
+STRATACL_T1 = "StrataCL, arXiv 2607.26444, Table 1 (one stream, unidirectional)"
+STRATACL = "StrataCL, arXiv 2607.26444 (published notes on it)"
+HCCL_DOCS = "HCCL docs (HCCL_BUFFSIZE default)"
+
+
+def _f(default, unit: str, source: str):
+    return field(default=default, metadata={"unit": unit, "source": source})
+
+
 @dataclass(frozen=True)
 class SupernodeSpec:
-    """A supernode's shape and link figures (for presets and cost models)."""
+    """A supernode: its shape, links, memory and lanes, the input of the
+    supernode model (``strata.emulator.model``). One rank of a collective is
+    one NPU (``ranks_per_npu=1``) or one die (2). ``sources()`` lists where
+    every figure comes from; the docs (docs/supernode_model.md) show the table.
+    """
 
-    name: str
-    num_npus: int
-    npus_per_node: int
-    dies_per_npu: int
-    vector_cores_per_die: int
-    cube_cores_per_die: int
-    # Not published for the 910C: a parameter, not a fact.
-    sdma_engines_per_die: int
-    fabric_gbytes_per_s_per_npu: float  # unidirectional
-    cross_node_extra_latency_us: float
-    hbm_gbytes: int
-    hbm_gbytes_per_s: float
+    name: str = _f("cloudmatrix384", "", "")
+    num_npus: int = _f(384, "NPUs", CM384 + ": 384 Ascend 910C")
+    npus_per_node: int = _f(8, "NPUs", CM384 + ": 48 nodes x 8 NPUs")
+    dies_per_npu: int = _f(2, "dies", CM384 + ": each 910C is 2 dies")
+    ranks_per_npu: int = _f(1, "ranks", "modeling choice: a rank is one NPU package")
+    vector_cores_per_die: int = _f(48, "AIV cores", CM384 + ": 48 AIV per die")
+    cube_cores_per_die: int = _f(24, "AIC cores", CM384 + ": 24 AIC per die")
+    # Unified Bus paths between two ranks: one stream's latency and bandwidth.
+    die_latency_us: float = _f(0.2, "us", STRATACL_T1 + ", die<->die")
+    die_gbps: float = _f(210.0, "GB/s", STRATACL_T1 + ", die<->die")
+    intra_node_latency_us: float = _f(0.7, "us", STRATACL_T1 + ", intra-node")
+    intra_node_gbps: float = _f(170.0, "GB/s", STRATACL_T1 + ", intra-node")
+    inter_node_latency_us: float = _f(2.1, "us", STRATACL_T1 + ", inter-node")
+    inter_node_gbps: float = _f(150.0, "GB/s", STRATACL_T1 + ", inter-node")
+    # Per-NPU UB ports. The L1 (7 chips per node) and L2 (7 planes x 16 chips)
+    # switch tiers are non-blocking, so the model has no switch resource; the
+    # < 1 us they add across nodes is in the inter-node path's latency.
+    ub_egress_gbps: float = _f(392.0, "GB/s", CM384 + ": > 392 GB/s unidirectional per NPU")
+    ub_ingress_gbps: float = _f(392.0, "GB/s", CM384 + ": same, the other direction")
+    ub_links_per_die: int = _f(7, "links", CM384)
+    l1_switches_per_node: int = _f(7, "chips", CM384)
+    l2_planes: int = _f(7, "planes", CM384)
+    l2_switches_per_plane: int = _f(16, "chips", CM384)
+    rdma_gbps_per_npu: float = _f(50.0, "GB/s", CM384 + ": RoCE plane up to 400 Gb/s (not modeled: beyond the supernode)")
+    hbm_gbytes_per_die: float = _f(64.0, "GB", CM384)
+    hbm_gbps_per_die: float = _f(1600.0, "GB/s", CM384 + ": 1.6 TB/s per die (3.2 TB/s package)")
+    # Lanes.
+    core_copy_gbps: float = _f(round(0.95 * 392.0 / 24, 2), "GB/s",
+                               "derived: " + STRATACL + " says ~95 % of peak UB (392 GB/s) takes 24 AIV "
+                               "cores, so one core copies 0.95 * 392 / 24")
+    core_reduce_gbps: float = _f(round(0.95 * 392.0 / 24, 2), "GB/s",
+                                 "assumed: equal to the copy rate (a streaming reduction is bound by the "
+                                 "core's memory traffic, not its ALUs); not published")
+    sdma_engines_per_die: int = _f(16, "engines", "assumed: not published (the runtime's default)")
+    sdma_gbps: float = _f(round(0.91 * 24 * (0.95 * 392.0 / 24) / 16, 2), "GB/s",
+                          "derived: " + STRATACL + " says SDMA offload runs ~9 % slower than the cores "
+                          "(24 cores at 95 % of peak), spread over the assumed 16 engines")
+    sdma_descriptor_us: float = _f(90.0, "us", STRATACL + ": descriptor submission ~90 us; charged "
+                                   "once per op that uses the engines, all engines in parallel (how often is not published)")
+    ccl_buffer_bytes: int = _f(200 * 1024 * 1024, "B", HCCL_DOCS + ": 200 MB, two per communicator")
 
     @property
     def num_nodes(self) -> int:
         return self.num_npus // self.npus_per_node
 
+    @property
+    def num_ranks(self) -> int:
+        return self.num_npus * self.ranks_per_npu
 
-# arXiv 2506.12708 (CloudMatrix384) and summaries of it; see FACTS.md §4.
-CLOUDMATRIX384 = SupernodeSpec(
-    name="cloudmatrix384", num_npus=384, npus_per_node=8, dies_per_npu=2,
-    vector_cores_per_die=48, cube_cores_per_die=24, sdma_engines_per_die=16,
-    fabric_gbytes_per_s_per_npu=392.0, cross_node_extra_latency_us=1.0,
-    hbm_gbytes=128, hbm_gbytes_per_s=3200.0)
+    @property
+    def hbm_gbps_per_rank(self) -> float:
+        return self.hbm_gbps_per_die * self.dies_per_npu / self.ranks_per_npu
+
+    @property
+    def hbm_bytes_per_rank(self) -> float:
+        return self.hbm_gbytes_per_die * 1e9 * self.dies_per_npu / self.ranks_per_npu
+
+    def machine(self) -> dict:
+        """The figures the C++ model reads (xla_ffi/model/model.h, Machine)."""
+        return {
+            "npus_per_node": self.npus_per_node, "ranks_per_npu": self.ranks_per_npu,
+            "die_latency_us": self.die_latency_us, "intra_latency_us": self.intra_node_latency_us,
+            "inter_latency_us": self.inter_node_latency_us, "die_gbps": self.die_gbps,
+            "intra_gbps": self.intra_node_gbps, "inter_gbps": self.inter_node_gbps,
+            "egress_gbps": self.ub_egress_gbps, "ingress_gbps": self.ub_ingress_gbps,
+            "hbm_gbps": self.hbm_gbps_per_rank, "core_copy_gbps": self.core_copy_gbps,
+            "core_reduce_gbps": self.core_reduce_gbps, "sdma_gbps": self.sdma_gbps,
+            "sdma_descriptor_us": self.sdma_descriptor_us,
+        }
+
+    def sources(self) -> list[tuple[str, object, str, str]]:
+        """(field, value, unit, source) for every figure."""
+        return [(f.name, getattr(self, f.name), f.metadata.get("unit", ""), f.metadata.get("source", ""))
+                for f in fields(self) if f.name != "name"]
+
+    def replace(self, **changes) -> "SupernodeSpec":
+        return dataclasses.replace(self, **changes)
+
+
+CLOUDMATRIX384 = SupernodeSpec()
 
 # One CloudMatrix node: the 8-NPU slice the benchmarks run by default.
-CLOUDMATRIX_NODE = SupernodeSpec(**{**CLOUDMATRIX384.__dict__, "name": "cloudmatrix_node", "num_npus": 8})
+CLOUDMATRIX_NODE = SupernodeSpec(name="cloudmatrix_node", num_npus=8)
 
-PRESETS = {spec.name: spec for spec in (CLOUDMATRIX384, CLOUDMATRIX_NODE)}
+# CloudMatrix384 with a rank per die (768 ranks; die pairs share an NPU).
+CLOUDMATRIX384_DIES = SupernodeSpec(name="cloudmatrix384_dies", ranks_per_npu=2)
+
+PRESETS = {spec.name: spec for spec in (CLOUDMATRIX384, CLOUDMATRIX_NODE, CLOUDMATRIX384_DIES)}
 
 
-def preset(name: str) -> SupernodeSpec:
+def preset(name) -> SupernodeSpec:
+    if isinstance(name, SupernodeSpec):
+        return name
     try:
         return PRESETS[name]
     except KeyError:
@@ -98,3 +182,7 @@ def make_mesh(shape, axis_names, *, devices=None) -> Mesh:
         devices = have[:need]
     grid = np.asarray(devices, dtype=object).reshape(shape)
     return Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+from ._model import ModeledOp, model  # noqa: E402
+from ._trace import Trace, trace  # noqa: E402

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "../model/trace_log.h"
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
@@ -51,7 +52,7 @@ constexpr const char* kCombineBwdName = "strata.moe.combine (backward)";
 
 // About this many bytes per task: small enough to spread over the host
 // workers and lanes, large enough that claiming tasks is not contended.
-constexpr int64_t kTaskBytes = 256 << 10;
+constexpr int64_t kTaskBytes = kMoeTaskBytes;
 
 // ---------------------------------------------------------------------------
 // Row arithmetic. 16-bit rows widen to float32 and round once when stored.
@@ -474,6 +475,8 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
                       int32_t* dropped, MoeDone done) {
   Status st = CheckCall(kDispatchName, p, c);
   if (!st.ok) return done(st);
+  if (model::TraceEnabled())
+    done = model::TraceMoe(model::kMoeDispatch, p, c, pair_slot, p.tokens * p.topk, true, std::move(done));
   const int n = p.group_size;
   const int32_t num_e = p.num_experts;
   const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
@@ -606,6 +609,8 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
                      const void* weights, const int32_t* pair_slot, void* y, MoeDone done) {
   Status st = CheckCall(kCombineName, p, c);
   if (!st.ok) return done(st);
+  if (model::TraceEnabled())
+    done = model::TraceMoe(model::kMoeCombine, p, c, pair_slot, p.tokens * p.topk, false, std::move(done));
   if (!MoeSupportsCombine(p.dtype))
     return done(Status::Error(std::string(kCombineName) + ": rows must be a float type, got " +
                               DTypeName(p.dtype)));
@@ -713,6 +718,8 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
                              MoeDone done) {
   Status st = CheckCall(kCombineBwdName, p, c);
   if (!st.ok) return done(st);
+  if (model::TraceEnabled())
+    done = model::TraceMoe(model::kMoeCombineBackward, p, c, pair_slot, p.tokens * p.topk, false, std::move(done));
   if (!MoeSupportsCombine(p.dtype))
     return done(Status::Error(std::string(kCombineBwdName) + ": rows must be a float type, got " +
                               DTypeName(p.dtype)));

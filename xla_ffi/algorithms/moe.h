@@ -41,7 +41,10 @@ struct MoeParams {
   std::string Describe(const char* opname) const;
 };
 
-// Who is calling.
+// The runtime's MoE work unit: about this many bytes per task (the
+// supernode model times the same tasks).
+inline constexpr int64_t kMoeTaskBytes = 256 << 10;
+
 // Who is calling (rank, group, call site, run), as for the collectives.
 using MoeCall = CallSite;
 

@@ -160,9 +160,11 @@ nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t bl
 }  // namespace
 
 void BindMemory(nb::module_& m);  // memory_bindings.cc
+void BindModel(nb::module_& m);   // model_bindings.cc
 
 NB_MODULE(_core, m) {
   BindMemory(m);
+  BindModel(m);
   m.def("registrations", &Registrations);
   m.def("site_instance_type", &SiteInstanceType);
   m.def("stats", &GetStats);

@@ -16,6 +16,7 @@
 #include <tuple>
 
 #include "../algorithms/algorithms.h"
+#include "../model/trace_log.h"
 #include "copy.h"
 #include "registry.h"
 #include "rendezvous.h"
@@ -75,6 +76,13 @@ Plan BuildPartitionedPlan(const OpParams& p) {
   // Reductions run on vector cores; pure data movement on DMA engines.
   Partition(plan, plan.is_reduction() ? p.cores : p.engines, p.planner);
   return plan;
+}
+
+int64_t CommWindowBytes(const OpParams& p) {
+  const int64_t max_blocks = std::max(p.in_blocks, p.out_blocks);
+  const int64_t esize = static_cast<int64_t>(DTypeSize(p.dtype));
+  int64_t window = p.comm_buffer_bytes / std::max<int64_t>(1, p.rows * max_blocks);
+  return window >= 64 ? window / 64 * 64 : window / esize * esize;
 }
 
 namespace {
@@ -302,15 +310,15 @@ View DirectView(const Slot& s, const OpParams& p) {
 
 // The vendor-library baseline: each rank's data is copied into its comm
 // buffer, the exchange runs between comm buffers, and results are copied out,
-// in rounds of columns when the message is larger than the buffer. Every
-// copy is one task of a phase; phases run in order.
-Status BufferCentricJob(const Slot& s, const CommBuffers& comm, std::shared_ptr<const Plan> plan,
+// in rounds of columns when the message is larger than the buffer. Each
+// round exchanges its window as a whole op of that width (its own plan), so
+// every rank and lane shares every round's work, as a vendor library's
+// rounds do. Every copy is one task of a phase; phases run in order.
+Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* communicator,
                         const OpParams& p, Job* job) {
   const int64_t m = p.block_bytes;
   const int64_t max_blocks = std::max(p.in_blocks, p.out_blocks);
-  const int64_t esize = static_cast<int64_t>(DTypeSize(p.dtype));
-  int64_t window = p.comm_buffer_bytes / (p.rows * max_blocks);
-  window = window >= 64 ? window / 64 * 64 : window / esize * esize;
+  const int64_t window = CommWindowBytes(p);
   if (window <= 0)
     return Status::Error("comm_buffer_bytes=" + std::to_string(p.comm_buffer_bytes) +
                          " cannot hold one column of " + std::to_string(p.rows * max_blocks) +
@@ -328,8 +336,11 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, std::shared_ptr<
   const int64_t rows = p.rows, in_blocks = p.in_blocks, out_blocks = p.out_blocks;
   for (int64_t lo = 0; lo < m; lo += window) {
     const int64_t w = std::min(window, m - lo);
-    v.col_lo = lo;
-    v.col_hi = lo + w;
+    OpParams round = p;
+    round.block_bytes = w;
+    std::shared_ptr<const Plan> plan = communicator->GetPlan(round);
+    v.col_lo = 0;  // the round's plan addresses the window's own columns
+    v.col_hi = w;
     v.block_stride = w;
     v.in_row_stride = in_blocks * w;
     v.out_row_stride = out_blocks * w;
@@ -365,6 +376,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
   if (c.rank < 0 || c.rank >= p.group_size)
     return done(Status::Error(std::string(who.opname) + ": rank " + std::to_string(c.rank) +
                               " is out of range for a group of " + std::to_string(p.group_size)));
+  if (model::TraceEnabled()) done = model::TraceCollective(p, c, std::move(done));
   const int64_t in_bytes = p.rows * p.in_blocks * p.block_bytes;
   const int64_t out_bytes = p.rows * p.out_blocks * p.block_bytes;
   if (p.mode == Mode::kStrata) {
@@ -381,7 +393,6 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
             [&p, in_bytes, out_bytes](Slot& s, std::shared_ptr<Job>* job) -> Status {
               if (p.block_bytes == 0) return Status::Ok();
               Communicator* comm = GetCommunicator(s.devices);
-              std::shared_ptr<const Plan> plan = comm->GetPlan(p);
               *job = std::make_shared<Job>();
               if (p.mode == Mode::kBufferCentric) {
                 std::shared_ptr<CommBuffers> buffers = comm->AcquireBuffers(p.comm_buffer_bytes);
@@ -392,12 +403,12 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
                 auto release = [comm, buffers] {
                   comm->ReleaseBuffers(std::make_unique<CommBuffers>(std::move(*buffers)));
                 };
-                Status st = BufferCentricJob(s, *buffers, plan, p, job->get());
+                Status st = BufferCentricJob(s, *buffers, comm, p, job->get());
                 if (!st.ok) release();
                 else (*job)->on_done = release;
                 return st;
               }
-              Phase exchange = ExchangePhase(plan, DirectView(s, p), s.devices, /*direct=*/true);
+              Phase exchange = ExchangePhase(comm->GetPlan(p), DirectView(s, p), s.devices, /*direct=*/true);
               if ((in_bytes + out_bytes) * p.group_size <= kInlineGroupBytes) {
                 for (uint64_t i = 0; i < exchange.count; ++i) exchange.run(i);
               } else {

@@ -58,5 +58,9 @@ Status RunCollective(const OpParams& params, const RankCall& call);
 // The plan of an op, as the runtime would build it (for tests and tools).
 Plan BuildPartitionedPlan(const OpParams& params);
 
+// buffer_centric mode: the columns of every block that fit the comm buffer at
+// once (the op runs in rounds of this many); <= 0 when not even one fits.
+int64_t CommWindowBytes(const OpParams& params);
+
 
 }  // namespace strata

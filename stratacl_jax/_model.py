@@ -1,0 +1,256 @@
+"""strata.emulator.model(): what an op would take on the supernode.
+
+The C++ model (xla_ffi/model/model.h) builds the plan the runtime would
+execute for the op (collectives: the partitioned transfer plan; MoE: the
+expert-row and token tasks from the routing) and times it on the preset's
+links, HBM and lanes. No host execution: any size, up to the preset's NPUs.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _config
+from . import _core
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
+MOE_OPS = ("moe_dispatch", "moe_combine", "moe_combine_backward")
+OP_KIND = {name: i for i, name in enumerate(COLLECTIVES)}
+# xla_ffi/runtime/dtypes.h, DType.
+DTYPE_CODE = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int8": 4, "int32": 5,
+              "int64": 6, "uint8": 7, "uint32": 8, "bool": 9}
+DTYPE_SIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4,
+              "int64": 8, "uint8": 1, "uint32": 4, "bool": 1}
+REDUCE_CODE = {"sum": 0, "max": 1, "min": 2, "prod": 3, "mean": 0}
+MODES = ("strata", "buffer_centric")
+_PLANNER_CODE = {"balanced": 0, "naive": 1}
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw (doc/PERFORMANCE.md)."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+@dataclass
+class ModeledOp:
+    """One op as the supernode model times it."""
+
+    op: str
+    npus: int
+    mode: str
+    bytes_per_rank: int      # the benchmarks' `size (B)`; MoE: DeepEP's received bytes per rank
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    breakdown: dict          # where the time goes (us)
+    lane_busy_us: dict       # the busiest rank's lanes: {"core": [...], "sdma": [...]}
+    lower_bound_us: float    # alpha-beta bound of the op's UB traffic on the preset's ports
+    fits_hbm: bool           # the op's buffers fit one rank's HBM
+    spec: str = "cloudmatrix384"
+    settings: dict = field(default_factory=dict)
+    lane_busy_all_us: np.ndarray | None = field(default=None, repr=False)
+    slices: np.ndarray | None = field(default=None, repr=False)  # rank, kind, lane, phase, start, end, bytes
+    phase_kinds: list | None = field(default=None, repr=False)
+
+
+def _settings(planner, cores_per_npu, sdma_engines_per_npu, comm_buffer_bytes) -> dict:
+    s = _config.current()
+    out = {"planner": s.planner if planner is None else planner,
+           "cores_per_npu": s.cores_per_npu if cores_per_npu is None else cores_per_npu,
+           "sdma_engines_per_npu": s.sdma_engines_per_npu if sdma_engines_per_npu is None else sdma_engines_per_npu,
+           "comm_buffer_bytes": s.comm_buffer_bytes if comm_buffer_bytes is None else comm_buffer_bytes}
+    if out["planner"] not in _PLANNER_CODE:
+        raise ValueError(f"strata.emulator.model: planner must be one of {tuple(_PLANNER_CODE)}, got {out['planner']!r}")
+    for name in ("cores_per_npu", "sdma_engines_per_npu", "comm_buffer_bytes"):
+        v = out[name]
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"strata.emulator.model: {name} must be a positive int, got {v!r}")
+    return out
+
+
+def _result(op, n, mode, nbytes, s_bytes, bus_bytes, raw, spec, settings, footprint) -> ModeledOp:
+    t = float(raw["time_us"])
+    cores, engines = int(raw["cores"]), int(raw["engines"])
+    busy = np.asarray(raw["lane_busy_us"])
+    worst = int(np.argmax(busy.max(axis=1))) if busy.size else 0
+    egress = np.asarray(raw["egress_bytes"], dtype=np.float64)
+    ingress = np.asarray(raw["ingress_bytes"], dtype=np.float64)
+    wire = 0.0
+    if egress.size:
+        wire = max(float(egress.max()) / (spec.ub_egress_gbps * 1e3),
+                   float(ingress.max()) / (spec.ub_ingress_gbps * 1e3))
+    lower = (float(raw["min_remote_latency_us"]) + wire) if wire > 0 else 0.0
+    breakdown = {k: float(raw[k]) for k in (
+        "sync_us", "exchange_us", "stage_us", "latency_us", "descriptor_us", "busiest_lane_us",
+        "busiest_hbm_us", "busiest_egress_us", "busiest_ingress_us", "busiest_path_us")}
+    return ModeledOp(
+        op=op, npus=n, mode=mode, bytes_per_rank=int(nbytes), time_us=t,
+        algbw_gbps=s_bytes / (t * 1e3) if t > 0 else 0.0,  # nothing to move: 0, as nccl-tests
+        busbw_gbps=bus_bytes / (t * 1e3) if t > 0 else 0.0,
+        breakdown=breakdown,
+        lane_busy_us={"core": busy[worst, :cores].tolist() if busy.size else [],
+                      "sdma": busy[worst, cores:].tolist() if busy.size else []},
+        lower_bound_us=lower, fits_hbm=footprint <= spec.hbm_bytes_per_rank, spec=spec.name,
+        settings=settings, lane_busy_all_us=busy, slices=np.asarray(raw["slices"]),
+        phase_kinds=list(raw["phase_kinds"]))
+
+
+def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: str = "strata",
+          spec="cloudmatrix384", dtype: str = "float32", planner: str | None = None,
+          cores_per_npu: int | None = None, sdma_engines_per_npu: int | None = None,
+          comm_buffer_bytes: int | None = None, keep_slices: bool = False, rank_npu=None,
+          **op_args) -> ModeledOp:
+    """Times `op` on the supernode `spec` from the plan the runtime would run.
+
+    Collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`,
+    `broadcast`, `ppermute`): `bytes_per_rank` is the input per rank (the
+    `size (B)` column of `python -m benchmarks collectives`); op_args: `redop=`
+    (sum, max, min, prod), `root=`, `perm=` (pairs; default a ring), `rows=`.
+    MoE (`moe_dispatch`, `moe_combine`, `moe_combine_backward`): op_args
+    `tokens=`, `hidden=`, `top_k=`, `num_experts=`, optionally `topk_idx=`
+    ([npus, tokens, top_k]; default uniform at random, distinct experts per
+    token), `capacity=` (default: no drops), `seed=`.
+    The `strata.config` settings to assume default to those in force.
+    """
+    from .emulator import preset
+
+    sp = preset(spec)
+    if mode not in MODES:
+        raise ValueError(f"strata.emulator.model: mode must be one of {MODES}, got {mode!r}")
+    if dtype not in DTYPE_CODE:
+        raise ValueError(f"strata.emulator.model: dtype must be one of {tuple(DTYPE_CODE)}, got {dtype!r}")
+    if not isinstance(npus, (int, np.integer)) or npus < 1 or npus > sp.num_ranks:
+        raise ValueError(f"strata.emulator.model: npus must be in 1..{sp.num_ranks} (preset {sp.name!r}), got {npus!r}")
+    settings = _settings(planner, cores_per_npu, sdma_engines_per_npu, comm_buffer_bytes)
+    if rank_npu is not None:
+        rank_npu = [int(v) for v in rank_npu]
+        if len(rank_npu) != npus or len(set(rank_npu)) != npus or min(rank_npu) < 0 or max(rank_npu) >= sp.num_ranks:
+            raise ValueError(f"strata.emulator.model: rank_npu must place the {npus} ranks on distinct NPUs of the preset")
+    if op in COLLECTIVES:
+        return _model_collective(op, bytes_per_rank, int(npus), mode, sp, dtype, settings, keep_slices,
+                                 rank_npu or [], **op_args)
+    if op in MOE_OPS:
+        if bytes_per_rank is not None:
+            raise TypeError(f"strata.emulator.model({op!r}): give tokens=, hidden=, top_k=, num_experts=, not bytes_per_rank")
+        return _model_moe(op, int(npus), mode, sp, dtype, settings, keep_slices, rank_npu or [], **op_args)
+    raise ValueError(f"strata.emulator.model: unknown op {op!r}; known: {COLLECTIVES + MOE_OPS}")
+
+
+def _model_collective(op, bytes_per_rank, n, mode, sp, dtype, settings, keep_slices, rank_npu, *,
+                      redop: str = "sum", root: int = 0, perm=None, rows: int = 1, **extra):
+    if extra:
+        raise TypeError(f"strata.emulator.model({op!r}): unknown arguments {sorted(extra)}")
+    if bytes_per_rank is None or not isinstance(bytes_per_rank, (int, np.integer)) or bytes_per_rank < 0:
+        raise ValueError(f"strata.emulator.model({op!r}): bytes_per_rank must be a non-negative int, got {bytes_per_rank!r}")
+    itemsize = DTYPE_SIZE[dtype]
+    reduces = op in ("all_reduce", "reduce_scatter")
+    if reduces:
+        if redop not in REDUCE_CODE:
+            raise ValueError(f"strata.emulator.model({op!r}): op must be one of {tuple(REDUCE_CODE)}, got {redop!r}")
+        if dtype == "bool":
+            raise TypeError(f"strata.emulator.model({op!r}): bool cannot be reduced")
+    if op == "broadcast" and not 0 <= root < n:
+        raise ValueError(f"strata.emulator.model('broadcast'): root {root} is outside 0..{n - 1}")
+    count = int(bytes_per_rank) // itemsize
+    if op in ("reduce_scatter", "all_to_all"):  # the input splits into n blocks
+        count = max(n, count - count % n) if count else 0
+        block = count // n * itemsize
+    else:
+        block = count * itemsize
+    nbytes = count * itemsize
+    flat_perm: list[int] = []
+    if op == "ppermute":
+        pairs = [(i, (i + 1) % n) for i in range(n)] if perm is None else [tuple(map(int, p)) for p in perm]
+        for s, d in pairs:
+            if not (0 <= s < n and 0 <= d < n):
+                raise ValueError(f"strata.emulator.model('ppermute'): pair {(s, d)} is outside 0..{n - 1}")
+        if len({s for s, _ in pairs}) != len(pairs) or len({d for _, d in pairs}) != len(pairs):
+            raise ValueError("strata.emulator.model('ppermute'): sources and destinations must not repeat")
+        flat_perm = [v for p in pairs for v in p]
+    raw = _core.model_collective(
+        OP_KIND[op], DTYPE_CODE[dtype], REDUCE_CODE[redop] if reduces else 4, int(root), flat_perm, n,
+        int(block), int(rows), MODES.index(mode), int(settings["cores_per_npu"]),
+        int(settings["sdma_engines_per_npu"]), _PLANNER_CODE[settings["planner"]],
+        int(settings["comm_buffer_bytes"]), sp.machine(), rank_npu, bool(keep_slices))
+    s_bytes = n * nbytes if op == "all_gather" else nbytes
+    out_bytes = n * nbytes if op == "all_gather" else (nbytes // n if op == "reduce_scatter" else nbytes)
+    footprint = (nbytes + out_bytes) * rows
+    return _result(op, n, mode, nbytes, s_bytes * rows, s_bytes * rows * bus_factor(op, n), raw, sp,
+                   settings, footprint)
+
+
+@functools.lru_cache(maxsize=16)
+def _uniform_routing(n: int, tokens: int, top_k: int, num_experts: int, seed: int) -> np.ndarray:
+    """[n, tokens, top_k] distinct experts per token, uniform at random."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, tokens, top_k), np.int32)
+    for r in range(n):
+        out[r] = np.argpartition(rng.random((tokens, num_experts)), top_k - 1, axis=1)[:, :top_k]
+    out.setflags(write=False)
+    return out
+
+
+def moe_routing_stats(pair_slot: np.ndarray, slots_per_rank: int, top_k: int) -> tuple[int, int]:
+    """(accepted pairs, DeepEP's (token, destination rank) pairs) over all ranks."""
+    pair_slot = np.asarray(pair_slot).reshape(-1, top_k)
+    owners = np.where(pair_slot >= 0, pair_slot // slots_per_rank, -1)
+    accepted = int(np.count_nonzero(pair_slot >= 0))
+    s = np.sort(owners, axis=-1)
+    distinct = (s[..., 1:] != s[..., :-1]) & (s[..., 1:] >= 0)
+    unique = int(np.count_nonzero(s[..., :1] >= 0) + np.count_nonzero(distinct))
+    return accepted, unique
+
+
+def _model_moe(op, n, mode, sp, dtype, settings, keep_slices, rank_npu, *, tokens: int, hidden: int,
+               top_k: int, num_experts: int, topk_idx=None, capacity: int | None = None, seed: int = 0,
+               pair_slot=None):
+    name = f"strata.emulator.model({op!r})"
+    for k, v in (("tokens", tokens), ("hidden", hidden), ("top_k", top_k), ("num_experts", num_experts)):
+        if not isinstance(v, (int, np.integer)) or v < (0 if k == "tokens" else 1):
+            raise ValueError(f"{name}: {k} must be a positive int, got {v!r}")
+    if num_experts % n:
+        raise ValueError(f"{name}: num_experts={num_experts} must be a multiple of npus={n}")
+    if top_k > num_experts:
+        raise ValueError(f"{name}: top_k={top_k} exceeds num_experts={num_experts}")
+    if dtype not in ("float32", "float64", "float16", "bfloat16"):
+        raise TypeError(f"{name}: rows must be a float dtype, got {dtype}")
+    if pair_slot is None:
+        if topk_idx is None:
+            idx = _uniform_routing(n, int(tokens), int(top_k), int(num_experts), int(seed))
+        else:
+            idx = np.asarray(topk_idx, dtype=np.int32)
+            if idx.shape != (n, tokens, top_k):
+                raise ValueError(f"{name}: topk_idx must be [npus, tokens, top_k] = {(n, tokens, top_k)}, got {idx.shape}")
+            if idx.size and (idx.min() < 0 or idx.max() >= num_experts):
+                raise ValueError(f"{name}: expert ids must be in [0, {num_experts})")
+        flat = np.ascontiguousarray(idx.reshape(n, tokens * top_k))
+        if capacity is None:
+            capacity = max(1, int(np.bincount(flat.ravel(), minlength=num_experts).max())) if flat.size else 1
+        pair_slot = _core.moe_pair_slots(n, int(num_experts), int(capacity), flat)
+    else:
+        pair_slot = np.ascontiguousarray(np.asarray(pair_slot, dtype=np.int32).reshape(n, tokens * top_k))
+        if capacity is None:
+            raise ValueError(f"{name}: pair_slot needs capacity=")
+    if capacity < 1:
+        raise ValueError(f"{name}: capacity must be positive, got {capacity}")
+    row_bytes = int(hidden) * DTYPE_SIZE[dtype]
+    weight_bytes = 8 if dtype == "float64" else 4
+    el = num_experts // n
+    raw = _core.model_moe(
+        MOE_OPS.index(op), n, int(num_experts), int(tokens), int(top_k), int(capacity), row_bytes,
+        weight_bytes, int(settings["cores_per_npu"]), int(settings["sdma_engines_per_npu"]),
+        mode == "buffer_centric", int(settings["comm_buffer_bytes"]), pair_slot, sp.machine(), rank_npu,
+        bool(keep_slices))
+    accepted, unique = moe_routing_stats(pair_slot, el * int(capacity), int(top_k))
+    # DeepEP: bytes of tokens received, a token counted once per destination rank.
+    deepep_per_rank = unique * row_bytes / n
+    footprint = tokens * row_bytes + el * capacity * row_bytes
+    settings = {**settings, "capacity": int(capacity), "accepted_pairs": accepted, "dropped_pairs": n * tokens * top_k - accepted}
+    return _result(op, n, mode, int(deepep_per_rank), accepted * row_bytes / n, deepep_per_rank, raw, sp,
+                   settings, footprint)

@@ -1,0 +1,301 @@
+"""The supernode model (strata.emulator.model): closed-form answers of the
+timing engine, properties every op's modeled time must have on the preset
+(monotone in size, above the alpha-beta bound, strata never slower than
+buffer_centric, the naive planner slower where lanes are the bottleneck),
+MoE from real routing, and clear errors."""
+import math
+import time
+
+import numpy as np
+import pytest
+
+import stratacl_jax as strata
+from stratacl_jax import _core
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
+SPEC = strata.emulator.preset("cloudmatrix384")
+model = strata.emulator.model
+
+# A machine where only the path matters: lanes and HBM are (almost) free.
+FAST = {**SPEC.machine(), "core_copy_gbps": 1e9, "core_reduce_gbps": 1e9, "sdma_gbps": 1e9,
+        "hbm_gbps": 1e9, "sdma_descriptor_us": 0.0}
+EXCHANGE, CORE, SDMA = 0, 0, 1
+
+
+def run_pieces(pieces, *, ranks=16, machine=FAST, lanes=4, sync=False):
+    """One exchange phase of explicit pieces (rank, lane, [(rank, write, bytes)])."""
+    phases = [(EXCHANGE, SDMA, False, sync, 1, pieces)]
+    return _core.model_pieces(ranks, lanes, lanes, phases, sync, machine, [], False)
+
+
+@pytest.mark.parametrize("src,dst,path", [(1, 0, "intra_node"), (9, 0, "inter_node")])
+@pytest.mark.parametrize("size", [1, 4096, 3 << 20, 1 << 30])
+def test_one_transfer_is_latency_plus_size_over_bandwidth(src, dst, path, size):
+    # Rank dst's lane pulls `size` bytes from rank src (8 ranks per node).
+    r = run_pieces([(dst, 0, [(src, 0, size), (dst, 1, size)])])
+    lat = getattr(SPEC, f"{path}_latency_us")
+    bw = getattr(SPEC, f"{path}_gbps") * 1e3  # bytes per us
+    assert r["time_us"] == pytest.approx(lat + size / bw, rel=1e-9)
+    assert r["min_remote_latency_us"] == lat
+
+
+def test_two_transfers_sharing_a_link_take_twice_as_long():
+    size = 64 << 20
+    one = run_pieces([(0, 0, [(1, 0, size), (0, 1, size)])])["time_us"]
+    # Two lanes of rank 0 pull from rank 1: the same path, egress and ingress.
+    two = run_pieces([(0, 0, [(1, 0, size), (0, 1, size)]),
+                      (0, 1, [(1, 0, size), (0, 1, size)])])["time_us"]
+    lat = SPEC.intra_node_latency_us
+    assert two - lat == pytest.approx(2 * (one - lat), rel=1e-6)
+    # Disjoint paths and ports: no slower than one.
+    apart = run_pieces([(0, 0, [(1, 0, size), (0, 1, size)]),
+                        (2, 0, [(3, 0, size), (2, 1, size)])])["time_us"]
+    assert apart == pytest.approx(one, rel=1e-9)
+
+
+def test_egress_port_is_shared_by_paths():
+    # Three ranks pull from rank 0 over three different paths: 3*S must leave
+    # rank 0's UB port (392 GB/s), more than any one path (170 GB/s) would.
+    size = 256 << 20
+    r = run_pieces([(d, 0, [(0, 0, size), (d, 1, size)]) for d in (1, 2, 3)])
+    bound = 3 * size / (SPEC.ub_egress_gbps * 1e3)
+    assert r["time_us"] >= bound
+    assert r["time_us"] == pytest.approx(SPEC.intra_node_latency_us + bound, rel=1e-3)
+
+
+def test_lane_rate_and_hbm_bound_local_copies():
+    machine = SPEC.machine()
+    size = 1 << 30
+    # One core copies locally: its copy rate (15.5 GB/s) is the bound.
+    phases = [(1, CORE, False, False, 1, [(0, 0, [(0, 0, size), (0, 1, size)])])]
+    r = _core.model_pieces(2, 1, 1, phases, False, machine, [], False)
+    assert r["time_us"] == pytest.approx(size / (SPEC.core_copy_gbps * 1e3), rel=1e-9)
+    # Enough fast lanes: the HBM (read + write) is.
+    fast_lanes = {**machine, "core_copy_gbps": 1e6}
+    pieces = [(0, l, [(0, 0, size // 8), (0, 1, size // 8)]) for l in range(8)]
+    r = _core.model_pieces(2, 8, 1, [(1, CORE, False, False, 1, pieces)], False, fast_lanes, [], False)
+    assert r["time_us"] == pytest.approx(2 * size / (SPEC.hbm_gbps_per_rank * 1e3), rel=1e-6)
+
+
+def test_repeated_phase_counts_every_instance():
+    pieces = [(0, 0, [(1, 0, 1 << 20), (0, 1, 1 << 20)])]
+    once = _core.model_pieces(2, 1, 1, [(0, SDMA, False, True, 1, pieces)], False, FAST, [], False)
+    many = _core.model_pieces(2, 1, 1, [(0, SDMA, False, True, 7, pieces)], False, FAST, [], False)
+    assert many["time_us"] == pytest.approx(7 * once["time_us"], rel=1e-9)
+    assert many["egress_bytes"][1] == 7 * once["egress_bytes"][1]
+
+
+# ---------------------------------------------------------------------- ops
+SIZES = [1 << k for k in range(18, 27, 2)]  # 256 KiB .. 64 MiB per rank
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("npus", [8, 32])
+@pytest.mark.parametrize("mode", ["strata", "buffer_centric"])
+def test_time_never_falls_as_size_grows(op, npus, mode):
+    times = [model(op, s, npus=npus, mode=mode).time_us for s in SIZES]
+    assert all(b >= a for a, b in zip(times, times[1:])), dict(zip(SIZES, times))
+
+
+def test_time_below_the_lanes_saturation_is_a_bounded_sawtooth():
+    # Below ~16 KiB per lane the planner uses fewer lanes (plan.cc,
+    # min_lane_bytes): a slightly larger message can get one more lane and
+    # finish a little sooner. The model shows it; it stays small.
+    for op in OPS:
+        times = [model(op, 1 << k, npus=8).time_us for k in range(10, 19)]
+        for a, b in zip(times, times[1:]):
+            assert b >= 0.97 * a, (op, times)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("npus", [8, 32, 384])
+def test_no_op_beats_the_alpha_beta_bound(op, npus):
+    for size in (4096, 1 << 20) + ((64 << 20,) if npus < 384 else ()):
+        for mode in ("strata", "buffer_centric"):
+            r = model(op, size, npus=npus, mode=mode)
+            # busbw is the per-rank share of the op's minimal traffic
+            # (nccl-tests): it cannot pass one rank's UB port; and nothing
+            # finishes before one path latency.
+            assert r.busbw_gbps <= SPEC.ub_egress_gbps * (1 + 1e-9), (op, size, mode, r.busbw_gbps)
+            assert r.time_us >= SPEC.intra_node_latency_us
+            assert r.time_us >= r.lower_bound_us - 1e-9
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("npus", [8, 32, 384])
+def test_strata_is_never_slower_than_buffer_centric(op, npus):
+    for size in [1 << k for k in range(10, 29 if npus < 384 else 23, 3)]:
+        s = model(op, size, npus=npus).time_us
+        b = model(op, size, npus=npus, mode="buffer_centric").time_us
+        assert s <= b, (op, size, s, b)
+
+
+def test_buffer_centric_pays_staging_and_rounds():
+    size = 1 << 30  # 5+ rounds of a 200 MiB buffer
+    s = model("all_reduce", size, npus=8)
+    b = model("all_reduce", size, npus=8, mode="buffer_centric")
+    assert s.breakdown["stage_us"] == 0 and b.breakdown["stage_us"] > 0
+    assert b.breakdown["sync_us"] > s.breakdown["sync_us"]  # two syncs per round
+    big = model("all_reduce", size, npus=8, mode="buffer_centric", comm_buffer_bytes=2 << 30)
+    assert big.time_us < b.time_us  # one round: fewer syncs and descriptors
+
+
+def test_naive_planner_is_slower_where_lanes_are_the_bottleneck():
+    # all_reduce: each rank's share is one piece; the naive split gives it
+    # to one core, the balanced one spreads it over all 48.
+    bal = model("all_reduce", 64 << 20, npus=8)
+    naive = model("all_reduce", 64 << 20, npus=8, planner="naive")
+    assert naive.time_us > 10 * bal.time_us
+    assert max(naive.lane_busy_us["core"]) > 10 * max(bal.lane_busy_us["core"])
+    assert bal.busbw_gbps > 300
+
+
+def test_lanes_change_the_time_through_the_same_mechanism():
+    a2a = [model("all_to_all", 256 << 20, npus=8, sdma_engines_per_npu=e).time_us for e in (2, 4, 8, 16)]
+    assert a2a == sorted(a2a, reverse=True) and a2a[0] > 3 * a2a[-1]
+    ar = [model("all_reduce", 256 << 20, npus=8, cores_per_npu=c).time_us for c in (4, 12, 24)]
+    assert ar == sorted(ar, reverse=True)
+    r = model("all_to_all", 256 << 20, npus=8, sdma_engines_per_npu=4)
+    assert len(r.lane_busy_us["sdma"]) == 4 and min(r.lane_busy_us["sdma"]) > 0
+
+
+def test_config_in_force_is_the_default():
+    with strata.config(cores_per_npu=4):
+        slow = model("all_reduce", 64 << 20, npus=8)
+    assert slow.settings["cores_per_npu"] == 4
+    assert slow.time_us > model("all_reduce", 64 << 20, npus=8).time_us
+
+
+def test_bandwidth_conventions():
+    n, size = 32, 64 << 20
+    for op, f in (("all_reduce", 2 * (n - 1) / n), ("all_gather", (n - 1) / n), ("broadcast", 1.0)):
+        r = model(op, size, npus=n)
+        s = n * size if op == "all_gather" else size
+        assert r.algbw_gbps == pytest.approx(s / r.time_us / 1e3)
+        assert r.busbw_gbps == pytest.approx(r.algbw_gbps * f)
+
+
+def test_placement_across_nodes_costs_latency():
+    near = model("ppermute", 4096, npus=2, rank_npu=[0, 1])
+    far = model("ppermute", 4096, npus=2, rank_npu=[0, 8])
+    assert far.time_us - near.time_us == pytest.approx(
+        3 * (SPEC.inter_node_latency_us - SPEC.intra_node_latency_us), rel=1e-6)
+
+
+def test_die_ranks_use_the_die_path():
+    dies = strata.emulator.preset("cloudmatrix384_dies")
+    r = model("ppermute", 4096, npus=2, spec=dies, perm=[(0, 1)])
+    assert r.breakdown["sync_us"] == pytest.approx(2 * dies.die_latency_us)
+
+
+def test_all_to_all_on_384_npus_at_1gb_is_fast():
+    t = time.perf_counter()
+    r = model("all_to_all", 1 << 30, npus=384)
+    took = time.perf_counter() - t
+    assert r.busbw_gbps > 100
+    assert took < 5.0  # ~0.2 s when the machine is idle
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float64", "bool"])
+@pytest.mark.parametrize("op", OPS)
+def test_odd_tiny_and_empty_sizes_in_every_dtype(op, dtype):
+    if dtype == "bool" and op in ("all_reduce", "reduce_scatter"):
+        with pytest.raises(TypeError, match="bool"):
+            model(op, 4096, dtype=dtype)
+        return
+    item = np.dtype(dtype if dtype != "bfloat16" else "float16").itemsize
+    empty = model(op, 0, npus=8, dtype=dtype)
+    assert empty.time_us == 0 and empty.busbw_gbps == 0
+    odd = model(op, 1_000_003, npus=8, dtype=dtype)
+    count = 1_000_003 // item
+    if op in ("reduce_scatter", "all_to_all"):
+        count -= count % 8
+    assert odd.bytes_per_rank == count * item
+    assert odd.time_us > model(op, 4096, npus=8, dtype=dtype).time_us > 0
+    one = model(op, item, npus=3, dtype=dtype)  # one element, 3 ranks (rs/a2a: one per rank)
+    assert one.time_us > 0
+
+
+# ---------------------------------------------------------------------- MoE
+MOE = dict(tokens=512, hidden=1024, top_k=4, num_experts=32, dtype="bfloat16")
+
+
+def test_moe_from_routing_all_remote():
+    # Every token of rank r goes to experts of rank (r + 1) % n: dispatch
+    # moves T*K rows out of every rank over one path each.
+    n, t, k, e, h = 4, 256, 2, 8, 2048
+    idx = np.zeros((n, t, k), np.int32)
+    for r in range(n):
+        owner = (r + 1) % n
+        idx[r, :, 0] = owner * 2
+        idx[r, :, 1] = owner * 2 + 1
+    d = model("moe_dispatch", npus=n, tokens=t, hidden=h, top_k=k, num_experts=e, topk_idx=idx,
+              dtype="float32")
+    rows = t * k * h * 4
+    assert d.settings["dropped_pairs"] == 0
+    assert d.algbw_gbps == pytest.approx(rows / d.time_us / 1e3)
+    assert d.busbw_gbps == pytest.approx(t * h * 4 / d.time_us / 1e3)  # one destination per token
+    assert d.time_us >= rows / (SPEC.intra_node_gbps * 1e3)
+
+
+def test_moe_capacity_drops_are_not_moved():
+    n = 4
+    idx = np.zeros((n, 64, 1), np.int32)  # everyone to expert 0
+    full = model("moe_dispatch", npus=n, tokens=64, hidden=512, top_k=1, num_experts=4, topk_idx=idx)
+    capped = model("moe_dispatch", npus=n, tokens=64, hidden=512, top_k=1, num_experts=4,
+                   topk_idx=idx, capacity=16)
+    assert capped.settings["dropped_pairs"] == 3 * 64 + 48
+    assert capped.time_us < full.time_us
+
+
+@pytest.mark.parametrize("op", ["moe_dispatch", "moe_combine", "moe_combine_backward"])
+def test_moe_strata_beats_buffer_centric(op):
+    for n in (8, 16):
+        s = model(op, npus=n, **MOE)
+        b = model(op, npus=n, mode="buffer_centric", **MOE)
+        assert 0 < s.time_us < b.time_us and b.breakdown["stage_us"] > 0
+
+
+def test_moe_deepep_shape_is_modeled_quickly():
+    t = time.perf_counter()
+    r = model("moe_combine", npus=32, tokens=4096, hidden=7168, top_k=8, num_experts=256, dtype="bfloat16")
+    assert time.perf_counter() - t < 10
+    assert 50 < r.busbw_gbps <= SPEC.ub_egress_gbps
+
+
+def test_moe_buffer_centric_needs_room():
+    with pytest.raises(ValueError, match="comm_buffer_bytes"):
+        model("moe_dispatch", npus=8, tokens=4096, hidden=7168, top_k=8, num_experts=256,
+              dtype="bfloat16", mode="buffer_centric")
+
+
+# ------------------------------------------------------------------- errors
+@pytest.mark.parametrize("call,match", [
+    (lambda: model("all_sum", 4096), "unknown op"),
+    (lambda: model("all_reduce", 4096, npus=385), "npus must be in 1..384"),
+    (lambda: model("all_reduce", 4096, npus=0), "npus"),
+    (lambda: model("all_reduce", -1), "bytes_per_rank"),
+    (lambda: model("all_reduce", 4096, mode="hccl"), "mode"),
+    (lambda: model("all_reduce", 4096, dtype="float128"), "dtype"),
+    (lambda: model("all_reduce", 4096, redop="avg"), "op must be"),
+    (lambda: model("all_reduce", 4096, planner="greedy"), "planner"),
+    (lambda: model("all_reduce", 4096, cores_per_npu=0), "cores_per_npu"),
+    (lambda: model("broadcast", 4096, npus=4, root=4), "root"),
+    (lambda: model("ppermute", 4096, npus=4, perm=[(0, 1), (1, 1)]), "repeat"),
+    (lambda: model("all_reduce", 4096, spec="dgx"), "unknown supernode preset"),
+    (lambda: model("moe_dispatch", npus=3, **MOE), "multiple of npus"),
+    (lambda: model("moe_dispatch", 4096, npus=8, **MOE), "not bytes_per_rank"),
+    (lambda: model("moe_dispatch", npus=8, topk_idx=np.full((8, 512, 4), 99), **MOE), "expert ids"),
+])
+def test_bad_arguments_are_clear_errors(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+def test_every_figure_has_a_source():
+    for name, value, unit, source in SPEC.sources():
+        assert source, name
+        if "derived" in source or "assumed" in source:
+            assert "not published" in source or "derived" in source
+    assert SPEC.core_copy_gbps == pytest.approx(0.95 * SPEC.ub_egress_gbps / 24, abs=0.01)
+    assert math.isclose(SPEC.hbm_gbps_per_rank, 3200)

@@ -1,0 +1,518 @@
+#include "model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <queue>
+#include <stdexcept>
+#include <utility>
+
+#include "../algorithms/moe.h"
+
+namespace strata::model {
+
+namespace {
+
+constexpr double kBytesPerUsPerGbps = 1e3;  // 1 GB/s = 1e9 B/s = 1e3 B/us
+
+int32_t NpuOf(const Program& prog, int rank) {
+  return prog.rank_npu.empty() ? rank : prog.rank_npu[rank];
+}
+
+// The longest path latency between any two ranks of the group: what a
+// signal to (or from) every peer costs.
+double GroupSyncUs(const Program& prog, const Machine& m) {
+  if (prog.num_ranks <= 1) return 0;
+  const int ranks_per_node = m.npus_per_node * m.ranks_per_npu;
+  const int32_t first = NpuOf(prog, 0);
+  bool other_node = false, other_npu = false;
+  for (int r = 1; r < prog.num_ranks; ++r) {
+    const int32_t p = NpuOf(prog, r);
+    other_node |= p / ranks_per_node != first / ranks_per_node;
+    other_npu |= p / m.ranks_per_npu != first / m.ranks_per_npu;
+  }
+  return other_node ? m.inter_latency_us : other_npu ? m.intra_latency_us : m.die_latency_us;
+}
+
+// Resources, each a FIFO queue: when it is next free and how long it served.
+struct Queue {
+  double free_us = 0, busy_us = 0;
+};
+
+}  // namespace
+
+void PathOf(const Machine& m, const Program& prog, int a, int b, double* lat_us, double* gbps) {
+  const int32_t pa = NpuOf(prog, a), pb = NpuOf(prog, b);
+  const int ranks_per_node = m.npus_per_node * m.ranks_per_npu;
+  if (pa / ranks_per_node != pb / ranks_per_node) {
+    *lat_us = m.inter_latency_us;
+    *gbps = m.inter_gbps;
+  } else if (pa / m.ranks_per_npu != pb / m.ranks_per_npu) {
+    *lat_us = m.intra_latency_us;
+    *gbps = m.intra_gbps;
+  } else {
+    *lat_us = m.die_latency_us;
+    *gbps = m.die_gbps;
+  }
+}
+
+Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t max_slices) {
+  const int n = prog.num_ranks;
+  const int lanes = prog.cores + prog.engines;
+  Result res;
+  res.lane_busy_us.assign(static_cast<size_t>(n) * lanes, 0.0);
+  res.egress_bytes.assign(n, 0);
+  res.ingress_bytes.assign(n, 0);
+  if (n <= 0) return res;
+
+  // Resource ids: [0, n) HBM, [n, 2n) egress, [2n, 3n) ingress, then the
+  // n*n ordered paths. Their bandwidths in bytes per us.
+  const size_t kHbm = 0, kEgress = n, kIngress = 2 * static_cast<size_t>(n), kPath = 3 * static_cast<size_t>(n);
+  std::vector<Queue> queues(kPath + static_cast<size_t>(n) * n);
+  std::vector<double> path_lat(static_cast<size_t>(n) * n), path_bw(static_cast<size_t>(n) * n);
+  double min_lat = 1e300;
+  for (int a = 0; a < n; ++a)
+    for (int b = 0; b < n; ++b) {
+      if (a == b) continue;
+      double lat, gbps;
+      PathOf(m, prog, a, b, &lat, &gbps);
+      path_lat[static_cast<size_t>(a) * n + b] = lat;
+      path_bw[static_cast<size_t>(a) * n + b] = gbps * kBytesPerUsPerGbps;
+    }
+  auto bandwidth = [&](size_t id) -> double {
+    if (id < kEgress) return m.hbm_gbps * kBytesPerUsPerGbps;
+    if (id < kIngress) return m.egress_gbps * kBytesPerUsPerGbps;
+    if (id < kPath) return m.ingress_gbps * kBytesPerUsPerGbps;
+    return path_bw[id - kPath];
+  };
+  std::vector<Queue> lane_q(static_cast<size_t>(n) * lanes);
+  std::vector<double> lane_latency(lane_q.size(), 0.0);
+
+  // Per piece: units (bytes) on each touched resource.
+  std::vector<double> units(queues.size(), 0.0);
+  std::vector<size_t> touched;
+  touched.reserve(1024);
+
+  const double sync = GroupSyncUs(prog, m);
+  double t = 0;
+  // The op's SDMA descriptor chains are submitted once, every engine in
+  // parallel, before anything moves.
+  for (const ModelPhase& phase : prog.phases)
+    if (phase.lanes == kSdma && !phase.pieces.empty()) {
+      t = res.descriptor_us = m.sdma_descriptor_us;
+      break;
+    }
+  bool any_remote = false;
+  for (size_t ph = 0; ph < prog.phases.size(); ++ph) {
+    const ModelPhase& phase = prog.phases[ph];
+    if (phase.pieces.empty()) continue;
+    if (phase.sync_before) {
+      t += sync;
+      res.sync_us += sync;
+    }
+    const double phase_start = t;
+    std::vector<double> busy_before, lane_busy_before;
+    std::vector<int64_t> egress_before, ingress_before;
+    if (phase.repeat > 1) {
+      for (const Queue& q : queues) busy_before.push_back(q.busy_us);
+      for (const Queue& q : lane_q) lane_busy_before.push_back(q.busy_us);
+      egress_before = res.egress_bytes;
+      ingress_before = res.ingress_bytes;
+    }
+    const int lane_offset = phase.lanes == kCore ? 0 : prog.cores;
+    const double lane_rate = 2 * kBytesPerUsPerGbps *
+        (phase.lanes == kSdma ? m.sdma_gbps : phase.reduce ? m.core_reduce_gbps : m.core_copy_gbps);
+    // Each lane's pieces, in the order given.
+    std::vector<std::vector<uint32_t>> by_lane(lane_q.size());
+    for (uint32_t i = 0; i < phase.pieces.size(); ++i) {
+      const ModelPiece& p = phase.pieces[i];
+      by_lane[static_cast<size_t>(p.rank) * lanes + lane_offset + p.lane].push_back(i);
+    }
+    // Bytes each piece moves, and its legs (resources it walks).
+    std::vector<int64_t> piece_moved(phase.pieces.size(), 0);
+    std::vector<int64_t> lane_moved(lane_q.size(), 0);
+    double legs_total = 0;
+    for (uint32_t i = 0; i < phase.pieces.size(); ++i) {
+      const ModelPiece& p = phase.pieces[i];
+      int64_t moved = 0, legs = 0;
+      if (p.transfer >= 0) {
+        const Transfer& tr = phase.plan->transfers[p.transfer];
+        legs = tr.src_count + tr.dst_count;
+        moved = p.bytes * legs;
+      } else {
+        for (uint32_t k = p.io_begin; k < p.io_end; ++k) moved += std::max<int64_t>(0, phase.io[k].bytes);
+        legs = p.io_end - p.io_begin;
+      }
+      piece_moved[i] = moved;
+      lane_moved[static_cast<size_t>(p.rank) * lanes + lane_offset + p.lane] += moved;
+      legs_total += static_cast<double>(legs);
+    }
+    // Queues serve segments, not whole pieces, so lanes that share a
+    // resource interleave on it (a piece that became ready late does not wait
+    // behind every early piece's whole reservation): about kSegmentsPerLane
+    // segments for the busiest lane, fewer when the walk would get too long.
+    constexpr double kSegmentsPerLane = 32, kWalkBudget = 1.5e7;
+    const int64_t busiest = *std::max_element(lane_moved.begin(), lane_moved.end());
+    double seg_bytes = std::max(4096.0, busiest / kSegmentsPerLane);
+    double walk = 0;
+    for (uint32_t i = 0; i < phase.pieces.size(); ++i) walk += std::ceil(piece_moved[i] / seg_bytes);
+    walk *= legs_total / std::max<double>(1, phase.pieces.size());
+    if (walk > kWalkBudget) seg_bytes *= walk / kWalkBudget;
+
+    using Ready = std::pair<double, uint32_t>;  // (ready time, lane id)
+    std::priority_queue<Ready, std::vector<Ready>, std::greater<Ready>> heap;
+    std::vector<uint32_t> next(lane_q.size(), 0);
+    std::vector<int64_t> seg(lane_q.size(), 0), segs(lane_q.size(), 0);
+    std::vector<double> piece_start(lane_q.size(), 0);
+    for (uint32_t l = 0; l < by_lane.size(); ++l)
+      if (!by_lane[l].empty()) heap.push({phase_start, l});
+    double phase_end = phase_start;
+    while (!heap.empty()) {
+      const auto [ready, lane_id] = heap.top();
+      heap.pop();
+      const uint32_t pi = by_lane[lane_id][next[lane_id]];
+      if (seg[lane_id] == 0) {
+        segs[lane_id] = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(piece_moved[pi] / seg_bytes)));
+        piece_start[lane_id] = ready;
+      }
+
+      const double frac = 1.0 / static_cast<double>(segs[lane_id]);
+      const bool last_seg = ++seg[lane_id] == segs[lane_id];
+      const ModelPiece& piece = phase.pieces[pi];
+      const int e = piece.rank;
+      double lat = 0;
+      double moved = 0;  // bytes read + written by this segment
+      auto add = [&](size_t id, double bytes) {
+        if (units[id] == 0) touched.push_back(id);
+        units[id] += bytes;
+      };
+      auto visit = [&](int rank, bool write, int64_t whole) {
+        if (whole <= 0) return;
+        const double bytes = whole * frac;
+        moved += bytes;
+        add(kHbm + rank, bytes);
+        if (rank == e) return;
+        const int src = write ? e : rank, dst = write ? rank : e;
+        add(kEgress + src, bytes);
+        add(kIngress + dst, bytes);
+        const size_t path = static_cast<size_t>(src) * n + dst;
+        add(kPath + path, bytes);
+        lat = std::max(lat, path_lat[path]);
+        if (last_seg) {
+          res.egress_bytes[src] += whole;
+          res.ingress_bytes[dst] += whole;
+        }
+      };
+      if (piece.transfer >= 0) {
+        const Transfer& tr = phase.plan->transfers[piece.transfer];
+        for (uint32_t k = 0; k < tr.src_count; ++k) visit(phase.plan->refs[tr.src_begin + k].rank, false, piece.bytes);
+        for (uint32_t k = 0; k < tr.dst_count; ++k) visit(phase.plan->refs[tr.dst_begin + k].rank, true, piece.bytes);
+      } else {
+        for (uint32_t k = piece.io_begin; k < piece.io_end; ++k) visit(phase.io[k].rank, phase.io[k].write != 0, phase.io[k].bytes);
+      }
+      if (lat > 0) {
+        any_remote = true;
+        min_lat = std::min(min_lat, lat);
+      }
+      const double t0 = ready;
+      double end = t0 + moved / lane_rate;
+      for (size_t id : touched) {
+        const double serve = units[id] / bandwidth(id);
+        Queue& q = queues[id];
+        const double s = std::max(t0, q.free_us);
+        q.free_us = s + serve;
+        q.busy_us += serve;
+        end = std::max(end, q.free_us);
+        units[id] = 0;
+      }
+      touched.clear();
+      lane_q[lane_id].busy_us += end - ready;
+      if (last_seg) {
+        // The piece's data lands one path latency after its last segment.
+        const double landed = end + lat;
+        lane_latency[lane_id] = std::max(lane_latency[lane_id], lat);
+        if (keep_slices && res.slices.size() < max_slices)
+          res.slices.push_back({e, phase.lanes, piece.lane, static_cast<int32_t>(ph), piece_start[lane_id],
+                                end, static_cast<int64_t>(piece_moved[pi])});
+        phase_end = std::max(phase_end, landed);
+        seg[lane_id] = 0;
+        next[lane_id]++;
+      }
+      if (next[lane_id] < by_lane[lane_id].size()) heap.push({end, lane_id});
+    }
+    const double duration = phase_end - phase_start;
+    (phase.kind == kExchange ? res.exchange_us : res.stage_us) += duration * phase.repeat;
+    t = phase_end;
+    if (phase.repeat > 1) {
+      // The other instances: same duration, same work on every resource.
+      const double extra = static_cast<double>(phase.repeat - 1);
+      t += extra * (duration + (phase.sync_before ? sync : 0.0));
+      if (phase.sync_before) res.sync_us += extra * sync;
+      for (size_t i = 0; i < queues.size(); ++i) {
+        queues[i].busy_us += extra * (queues[i].busy_us - busy_before[i]);
+        queues[i].free_us = 0;
+      }
+      for (size_t l = 0; l < lane_q.size(); ++l) {
+        lane_q[l].busy_us += extra * (lane_q[l].busy_us - lane_busy_before[l]);
+      }
+      for (int r = 0; r < n; ++r) {
+        res.egress_bytes[r] += static_cast<int64_t>(extra) * (res.egress_bytes[r] - egress_before[r]);
+        res.ingress_bytes[r] += static_cast<int64_t>(extra) * (res.ingress_bytes[r] - ingress_before[r]);
+      }
+    }
+  }
+  if (prog.sync_end && t > 0) {
+    t += sync;
+    res.sync_us += sync;
+  }
+  res.time_us = t;
+  res.min_remote_latency_us = any_remote ? min_lat : 0.0;
+  for (size_t l = 0; l < lane_q.size(); ++l) {
+    res.lane_busy_us[l] = lane_q[l].busy_us;
+    res.busiest_lane_us = std::max(res.busiest_lane_us, lane_q[l].busy_us);
+    res.latency_us = std::max(res.latency_us, lane_latency[l]);
+  }
+  for (size_t id = 0; id < queues.size(); ++id) {
+    double& slot = id < kEgress ? res.busiest_hbm_us : id < kIngress ? res.busiest_egress_us
+                   : id < kPath ? res.busiest_ingress_us : res.busiest_path_us;
+    slot = std::max(slot, queues[id].busy_us);
+  }
+  return res;
+}
+
+namespace {
+
+// A local copy of `bytes` on `rank`, split evenly over its lanes (each lane
+// carries at least 16 KiB, as the runtime's planner does).
+void AddLocalCopies(ModelPhase& phase, int rank, int64_t bytes, int lanes) {
+  if (bytes <= 0) return;
+  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(lanes, bytes / 16384));
+  for (int64_t l = 0; l < used; ++l) {
+    const int64_t part = bytes * (l + 1) / used - bytes * l / used;
+    ModelPiece p;
+    p.rank = rank;
+    p.lane = static_cast<int32_t>(l);
+    p.io_begin = static_cast<uint32_t>(phase.io.size());
+    phase.io.push_back({rank, 0, part});
+    phase.io.push_back({rank, 1, part});
+    p.io_end = static_cast<uint32_t>(phase.io.size());
+    phase.pieces.push_back(p);
+  }
+}
+
+}  // namespace
+
+Program CollectiveProgram(const OpParams& p) {
+  Program prog;
+  prog.num_ranks = p.group_size;
+  prog.cores = p.cores;
+  prog.engines = p.engines;
+  prog.plans.reserve(2);  // phases point into it: never grows past this
+  const LaneKind kind = p.op != ReduceOp::kNone ? kCore : kSdma;
+
+  // The exchange of one plan (the whole message, or one round's window).
+  auto exchange = [&](const OpParams& op, int64_t repeat) {
+    prog.plans.push_back(BuildPartitionedPlan(op));
+    const Plan& plan = prog.plans.back();
+    ModelPhase ph;
+    ph.kind = kExchange;
+    ph.lanes = kind;
+    ph.reduce = plan.is_reduction();
+    ph.sync_before = true;
+    ph.repeat = repeat;
+    ph.plan = &plan;
+    for (const LaneTask& task : plan.tasks)
+      for (uint32_t i = task.piece_begin; i < task.piece_end; ++i) {
+        const Piece& piece = plan.pieces[i];
+        ModelPiece mp;
+        mp.rank = task.npu;
+        mp.lane = task.lane;
+        mp.transfer = static_cast<int32_t>(piece.transfer);
+        mp.bytes = (piece.col_end - piece.col_begin) * op.rows;
+        ph.pieces.push_back(mp);
+      }
+    return ph;
+  };
+
+  if (p.mode == Mode::kStrata) {
+    prog.phases.push_back(exchange(p, 1));
+    prog.sync_end = true;
+    return prog;
+  }
+  const int64_t window = CommWindowBytes(p);
+  if (window <= 0)
+    throw std::invalid_argument("comm_buffer_bytes=" + std::to_string(p.comm_buffer_bytes) +
+                                " cannot hold one column of the op's blocks");
+  prog.sync_end = false;
+  // Rounds as the runtime runs them (collective.cc, BufferCentricJob): full
+  // windows, then the rest; each round stages in, exchanges, stages out.
+  const int64_t m = p.block_bytes;
+  const int64_t full = m / window, rest = m % window;
+  for (const auto& [w, count] : {std::pair<int64_t, int64_t>{window, full}, {rest, 1}}) {
+    if (w <= 0 || count <= 0) continue;
+    OpParams round = p;
+    round.block_bytes = w;
+    const int lanes = kind == kCore ? p.cores : p.engines;
+    ModelPhase in;
+    in.kind = kStageIn;
+    in.lanes = kind;
+    in.repeat = count;
+    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(in, r, p.rows * p.in_blocks * w, lanes);
+    prog.phases.push_back(std::move(in));
+    prog.phases.push_back(exchange(round, count));
+    ModelPhase out;
+    out.kind = kStageOut;
+    out.lanes = kind;
+    out.sync_before = true;  // every peer's writes into this rank's buffer are in
+    out.repeat = count;
+    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, p.rows * p.out_blocks * w, lanes);
+    prog.phases.push_back(std::move(out));
+  }
+  return prog;
+}
+
+std::vector<std::vector<int32_t>> MoePairSlots(const MoeShape& s,
+                                               const std::vector<std::vector<int32_t>>& topk_idx) {
+  std::vector<int64_t> next(s.experts, 0);
+  std::vector<std::vector<int32_t>> slots(s.ranks);
+  for (int r = 0; r < s.ranks; ++r) {
+    const auto& idx = topk_idx[r];
+    slots[r].assign(idx.size(), -1);
+    for (size_t i = 0; i < idx.size(); ++i) {
+      const int32_t e = idx[i];
+      if (e < 0 || e >= s.experts) throw std::invalid_argument("expert id outside [0, num_experts)");
+      const int64_t row = next[e]++;
+      if (row < s.capacity) slots[r][i] = static_cast<int32_t>(e * s.capacity + row);
+    }
+  }
+  return slots;
+}
+
+Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int32_t>>& pair_slot) {
+  const int n = s.ranks;
+  if (n < 1 || s.experts % n != 0) throw std::invalid_argument("num_experts must be a multiple of the ranks");
+  if (static_cast<int>(pair_slot.size()) != n) throw std::invalid_argument("one routing per rank");
+  const int64_t el = s.experts / n, cap = s.capacity, slots_per_rank = el * cap;
+  const int64_t rb = s.row_bytes, pairs = s.tokens * s.topk;
+  Program prog;
+  prog.num_ranks = n;
+  prog.cores = s.cores;
+  prog.engines = s.engines;
+  prog.sync_end = !s.buffer_centric;
+
+  // The expert side: which (rank, token) filled each slot of each rank.
+  std::vector<std::vector<int64_t>> source(n, std::vector<int64_t>(slots_per_rank, -1));
+  for (int r = 0; r < n; ++r) {
+    if (static_cast<int64_t>(pair_slot[r].size()) != pairs) throw std::invalid_argument("routing has the wrong size");
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int32_t slot = pair_slot[r][i];
+      if (slot < 0) continue;
+      if (slot >= n * slots_per_rank) throw std::invalid_argument("slot outside the experts' capacity");
+      source[slot / slots_per_rank][slot % slots_per_rank] = static_cast<int64_t>(r) * s.tokens + i / s.topk;
+    }
+  }
+
+  const LaneKind kind = op == 0 ? kSdma : kCore;
+  const int lanes = op == 0 ? s.engines : s.cores;
+  // Scratch: bytes per peer rank inside one task.
+  std::vector<int64_t> per_rank(n, 0);
+  std::vector<int> peers;
+  auto flush = [&](ModelPhase& ph, ModelPiece& piece) {
+    for (int r : peers) {
+      ph.io.push_back({r, 0, per_rank[r]});
+      per_rank[r] = 0;
+    }
+    peers.clear();
+    piece.io_end = static_cast<uint32_t>(ph.io.size());
+    if (piece.io_end > piece.io_begin) ph.pieces.push_back(piece);
+  };
+  auto read = [&](int r, int64_t bytes) {
+    if (per_rank[r] == 0) peers.push_back(r);
+    per_rank[r] += bytes;
+  };
+
+  // Expert-row tasks (dispatch on SDMA; the backward's scatter on cores):
+  // rows of one local expert, about kMoeTaskBytes per task, lane = task % lanes.
+  auto expert_tasks = [&](ModelPhase& ph, int task_lanes, int64_t extra_read_per_row) {
+    const int64_t rows_per_task = std::max<int64_t>(1, kMoeTaskBytes / std::max<int64_t>(1, rb));
+    const int64_t chunks = (cap + rows_per_task - 1) / rows_per_task;
+    for (int o = 0; o < n; ++o)
+      for (int64_t l = 0; l < el; ++l)
+        for (int64_t ch = 0; ch < chunks; ++ch) {
+          ModelPiece piece;
+          piece.rank = o;
+          piece.lane = static_cast<int32_t>((l * chunks + ch) % task_lanes);
+          piece.io_begin = static_cast<uint32_t>(ph.io.size());
+          const int64_t r0 = ch * rows_per_task, r1 = std::min(cap, r0 + rows_per_task);
+          for (int64_t row = r0; row < r1; ++row) {
+            const int64_t src = source[o][l * cap + row];
+            if (src >= 0) read(static_cast<int>(src / s.tokens), rb + extra_read_per_row);
+          }
+          ph.io.push_back({o, 1, (r1 - r0) * rb});
+          flush(ph, piece);
+        }
+  };
+  // Token tasks (combine, and the backward's dot products) on cores: each
+  // token reads its K expert rows from their owners.
+  auto token_tasks = [&](ModelPhase& ph, int64_t write_per_token) {
+    const int64_t per_task = std::max<int64_t>(1, kMoeTaskBytes / std::max<int64_t>(1, s.topk * rb));
+    const int64_t chunks = (s.tokens + per_task - 1) / per_task;
+    for (int r = 0; r < n; ++r)
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        ModelPiece piece;
+        piece.rank = r;
+        piece.lane = static_cast<int32_t>(ch % s.cores);
+        piece.io_begin = static_cast<uint32_t>(ph.io.size());
+        const int64_t t0 = ch * per_task, t1 = std::min(s.tokens, t0 + per_task);
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t k = 0; k < s.topk; ++k) {
+            const int32_t slot = pair_slot[r][t * s.topk + k];
+            if (slot >= 0) read(static_cast<int>(slot / slots_per_rank), rb);
+          }
+        ph.io.push_back({r, 1, (t1 - t0) * write_per_token});
+        flush(ph, piece);
+      }
+  };
+
+  const int64_t x_bytes = s.tokens * rb, slots_bytes = slots_per_rank * rb;
+  int64_t in_bytes = 0, out_bytes = 0;
+  ModelPhase ex;
+  ex.kind = kExchange;
+  ex.lanes = kind;
+  ex.reduce = op != 0;
+  ex.sync_before = true;
+  if (op == 0) {
+    expert_tasks(ex, s.engines, 0);
+    in_bytes = x_bytes;
+    out_bytes = slots_bytes;
+  } else if (op == 1) {
+    token_tasks(ex, rb);
+    in_bytes = slots_bytes;
+    out_bytes = x_bytes;
+  } else {
+    expert_tasks(ex, s.cores, s.weight_bytes);
+    token_tasks(ex, s.topk * s.weight_bytes);
+    in_bytes = x_bytes + slots_bytes + pairs * s.weight_bytes;
+    out_bytes = slots_bytes + pairs * s.weight_bytes;
+  }
+  if (s.buffer_centric) {
+    if (in_bytes > s.comm_buffer_bytes || out_bytes > s.comm_buffer_bytes)
+      throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
+    ModelPhase in;
+    in.kind = kStageIn;
+    in.lanes = kind;
+    for (int r = 0; r < n; ++r) AddLocalCopies(in, r, in_bytes, lanes);
+    prog.phases.push_back(std::move(in));
+  }
+  prog.phases.push_back(std::move(ex));
+  if (s.buffer_centric) {
+    ModelPhase out;
+    out.kind = kStageOut;
+    out.lanes = kind;
+    out.sync_before = true;
+    for (int r = 0; r < n; ++r) AddLocalCopies(out, r, out_bytes, lanes);
+    prog.phases.push_back(std::move(out));
+  }
+  return prog;
+}
+
+}  // namespace strata::model

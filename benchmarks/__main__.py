@@ -11,12 +11,13 @@ import os
 import sys
 import time
 
-from . import collectives, common, moe, train
+from . import collectives, common, latency, moe, train
 
 SUBCOMMANDS = {
     "collectives": (collectives, "nccl-tests-style sweeps: strata vs lax vs memory floor"),
     "moe": (moe, "MoE dispatch/combine/layer, strata vs the lax all_to_all reference"),
     "train": (train, "one MoE training step with strata vs lax collectives"),
+    "latency": (latency, "per-op cost of small ops inside one program at 8/64/384 NPUs, with floors"),
 }
 
 # The tour: small enough for a few minutes on 2 cores, large enough to reach >= 1 MB per rank.
@@ -26,6 +27,8 @@ TOUR = {
     "moe": ["--tokens", "512", "--hidden", "512", "--topk", "4", "--experts", "32",
             "--ffn", "256", "-n", "5", "-w", "2", "--mode", "all"],
     "train": ["-n", "5", "-w", "2", "--mode", "all"],
+    "latency": ["--npus", "8", "--sizes", "1K", "--pattern", "chained", "--chain", "8",
+                "-n", "10", "--repeats", "3"],
 }
 QUICK = {  # --quick: the smallest tour that still touches every path (smoke tests)
     "collectives": ["-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1"],
@@ -33,6 +36,8 @@ QUICK = {  # --quick: the smallest tour that still touches every path (smoke tes
             "-n", "2", "-w", "1"],
     "train": ["--tokens", "32", "--hidden", "32", "--ffn", "32", "--experts", "16", "--topk", "2",
               "-n", "2", "-w", "1"],
+    "latency": ["--npus", "8", "--sizes", "1K", "--op", "all_reduce,moe", "--pattern", "chained",
+                "--chain", "2", "-n", "2", "-w", "1", "--repeats", "1"],
 }
 
 
@@ -87,8 +92,8 @@ def tour(targs) -> int:
         print(f"# note: {reason}; strata rows will be skipped", flush=True)
     plan = QUICK if targs.quick else TOUR
     md = [f"# Benchmark tour ({targs.npus} emulated NPUs)", ""]
-    for name in ("collectives", "moe", "train"):
-        argv = plan[name] + ["--npus", str(targs.npus), "--out", targs.out]
+    for name in ("collectives", "moe", "train", "latency"):
+        argv = plan[name] + ([] if name == "latency" else ["--npus", str(targs.npus)]) + ["--out", targs.out]
         if targs.no_progress:
             argv.append("--no-progress")
         args = parse(name, argv)
@@ -110,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(name, argv[1:])
         if getattr(args, "impl", "all") == "lax":
             common.disable_strata("--impl lax")
-        if not (name == "collectives" and collectives.isolated(args)):
-            common.setup_devices(npus_for(name, args))  # (isolated: each child does its own)
+        # (isolated collectives and latency start child processes that set their own devices)
+        if name != "latency" and not (name == "collectives" and collectives.isolated(args)):
+            common.setup_devices(npus_for(name, args))
         run_one(name, args)
         return 0
     return tour(tour_parser().parse_args(argv))

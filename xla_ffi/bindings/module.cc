@@ -19,6 +19,7 @@
 #include "../runtime/stats.h"
 #include "handlers.h"
 #include "moe_handlers.h"
+#include "reference_handlers.h"
 
 namespace nb = nanobind;
 using namespace strata;
@@ -41,6 +42,9 @@ nb::dict Registrations() {
   d["strata_moe_dispatch"] = EncapsulateFfiHandler(StrataMoeDispatch);
   d["strata_moe_combine"] = EncapsulateFfiHandler(StrataMoeCombine);
   d["strata_moe_combine_backward"] = EncapsulateFfiHandler(StrataMoeCombineBackward);
+  // Floors for the latency benchmark, not ops.
+  d["strata_ref_copy"] = EncapsulateFfiHandler(StrataRefCopy);
+  d["strata_ref_barrier"] = EncapsulateFfiHandler(StrataRefBarrier);
   return d;
 }
 

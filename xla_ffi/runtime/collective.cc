@@ -347,6 +347,11 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, std::shared_ptr<
 
 }  // namespace
 
+bool RunsInline(const OpParams& p) {
+  return p.mode == Mode::kStrata &&
+         p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes * p.group_size <= kInlineGroupBytes;
+}
+
 void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void(const Status&)> done) {
   const Participant who = c.As(OpName(p.kind), p.group_size);
   if (c.rank < 0 || c.rank >= p.group_size)
@@ -365,7 +370,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
   }
   GlobalStats().ops++;
   JoinAsync(who, {const_cast<void*>(c.in), c.out}, p.Describe(), std::move(done),
-            [&p, in_bytes, out_bytes](Slot& s, std::shared_ptr<Job>* job) -> Status {
+            [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
               if (p.block_bytes == 0) return Status::Ok();
               Communicator* comm = GetCommunicator(s.devices);
               std::shared_ptr<const Plan> plan = comm->GetPlan(p);
@@ -382,7 +387,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
                 return st;
               }
               Phase exchange = ExchangePhase(plan, DirectView(s, p), s.devices, /*direct=*/true);
-              if ((in_bytes + out_bytes) * p.group_size <= kInlineGroupBytes) {
+              if (RunsInline(p)) {
                 for (uint64_t i = 0; i < exchange.count; ++i) exchange.run(i);
               } else {
                 (*job)->phases.push_back(std::move(exchange));

@@ -55,6 +55,10 @@ void RunCollectiveAsync(const OpParams& params, const RankCall& call,
 // The same, waiting for the result (threads-as-ranks tests and tools).
 Status RunCollective(const OpParams& params, const RankCall& call);
 
+// True for ops small enough that the group's last rank runs them on the spot
+// (handing them to the host workers would cost more than the work).
+bool RunsInline(const OpParams& params);
+
 // The plan of an op, as the runtime would build it (for tests and tools).
 Plan BuildPartitionedPlan(const OpParams& params);
 

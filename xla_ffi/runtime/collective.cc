@@ -160,10 +160,6 @@ Communicator* GetCommunicator(const std::vector<int32_t>& devices) {
   return c.get();
 }
 
-// What the last rank to arrive sets up for the whole group.
-// Below this many bytes moved by the whole group, handing the op to the
-// workers costs more than the work: the last rank in does it on the spot.
-constexpr int64_t kInlineGroupBytes = 256 << 10;
 
 // Where each rank's blocks live during one phase: the user buffers (strata
 // mode) or a window of columns staged in comm buffers (buffer_centric).
@@ -348,8 +344,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, std::shared_ptr<
 }  // namespace
 
 bool RunsInline(const OpParams& p) {
-  return p.mode == Mode::kStrata &&
-         p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes * p.group_size <= kInlineGroupBytes;
+  return RunsInline(p.mode, p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes, p.group_size);
 }
 
 void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void(const Status&)> done) {

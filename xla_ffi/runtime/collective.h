@@ -55,8 +55,13 @@ void RunCollectiveAsync(const OpParams& params, const RankCall& call,
 // The same, waiting for the result (threads-as-ranks tests and tools).
 Status RunCollective(const OpParams& params, const RankCall& call);
 
-// True for ops small enough that the group's last rank runs them on the spot
-// (handing them to the host workers would cost more than the work).
+// Below this many bytes moved by the whole group (inputs + outputs of every
+// rank), handing an op to the host workers costs more than the work: the last
+// rank in does it on the spot (collectives and MoE alike, strata mode only).
+constexpr int64_t kInlineGroupBytes = 256 << 10;
+inline bool RunsInline(Mode mode, int64_t bytes_per_rank, int64_t group_size) {
+  return mode == Mode::kStrata && bytes_per_rank * group_size <= kInlineGroupBytes;
+}
 bool RunsInline(const OpParams& params);
 
 // The plan of an op, as the runtime would build it (for tests and tools).

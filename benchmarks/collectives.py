@@ -11,7 +11,7 @@ Conventions (FACTS §3, nccl-tests doc/PERFORMANCE.md):
   times every variant, the launch reference and the floor back to back (interleaved).
 - memory floor = the op's minimal bytes read + written over all ranks (all_reduce N*S + N*S,
   all_gather N*S + N*N*S, reduce_scatter N*S + S, all_to_all and ppermute N*S + N*S,
-  broadcast S + N*S), timed as plain np.copyto calls laid out like the op (every rank fills
+  broadcast S + N*S), timed as np.copyto calls on every core laid out like the op (every rank fills
   its whole output, fresh np.empty memory as XLA's outputs are; common.floor_copy_us);
   share = floor time / op time; net share = floor time / (op time - launch time).
 - #wrong = elements that differ from an exact expected value: inputs are small integers that

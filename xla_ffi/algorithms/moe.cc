@@ -357,7 +357,7 @@ struct RankState {
 // buffer_centric baseline always goes through the workers, as collectives do.
 void Schedule(std::vector<Phase> phases, const RankState& any, int n, std::shared_ptr<Job>* job) {
   *job = std::make_shared<Job>();
-  if (any.rows.direct() && RunsInline(Mode::kStrata, any.rows.bytes(), n)) {
+  if (any.rows.direct() && RunsInline(Mode::kStrata, any.rows.bytes(), n, kMoeInlineGroupBytes)) {
     for (const Phase& phase : phases)
       for (uint64_t i = 0; i < phase.count; ++i) phase.run(i);
     return;

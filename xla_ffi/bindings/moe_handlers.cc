@@ -58,7 +58,7 @@ MoeCall MakeCall(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32> meta, int
 // `rank_bytes` is this rank's inputs + outputs, which decide whether the last
 // rank runs the op on the spot.
 ffi_common::BriefWait WaitFor(const MoeParams& p, int64_t rank_bytes) {
-  return ffi_common::BriefWait::ForGroup(p.group_size, RunsInline(p.mode, rank_bytes, p.group_size));
+  return ffi_common::BriefWait::ForGroup(p.group_size, RunsInline(p.mode, rank_bytes, p.group_size, kMoeInlineGroupBytes));
 }
 
 constexpr const char* kDispatch = "strata.moe.dispatch";

@@ -344,7 +344,8 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, std::shared_ptr<
 }  // namespace
 
 bool RunsInline(const OpParams& p) {
-  return RunsInline(p.mode, p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes, p.group_size);
+  return RunsInline(p.mode, p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes, p.group_size,
+                    kHostChunkBytes);
 }
 
 void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void(const Status&)> done) {

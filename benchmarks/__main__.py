@@ -12,12 +12,13 @@ import os
 import sys
 import time
 
-from . import collectives, common, moe, train
+from . import collectives, common, latency, moe, train
 
 SUBCOMMANDS = {
     "collectives": (collectives, "nccl-tests-style sweeps: strata vs lax vs memory floor"),
     "moe": (moe, "MoE dispatch/combine/layer, strata vs the lax all_to_all reference"),
     "train": (train, "one MoE training step with strata vs lax collectives"),
+    "latency": (latency, "per-op cost of small ops inside one program at 8/64/384 NPUs, with floors"),
 }
 
 # The tour: small enough for a few minutes on 2 cores, large enough to reach >= 1 MB per rank.
@@ -27,6 +28,8 @@ TOUR = {
     "moe": ["--tokens", "512", "--hidden", "512", "--topk", "4", "--experts", "32",
             "--ffn", "256", "-n", "5", "-w", "2", "--mode", "all"],
     "train": ["-n", "5", "-w", "2", "--mode", "all"],
+    "latency": ["--npus", "8", "--sizes", "1K", "--pattern", "chained", "--chain", "8",
+                "-n", "10", "--repeats", "3"],
 }
 QUICK = {  # --quick: the smallest tour that still touches every path (smoke tests)
     "collectives": ["-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1"],
@@ -34,6 +37,8 @@ QUICK = {  # --quick: the smallest tour that still touches every path (smoke tes
             "-n", "2", "-w", "1"],
     "train": ["--tokens", "32", "--hidden", "32", "--ffn", "32", "--experts", "16", "--topk", "2",
               "-n", "2", "-w", "1"],
+    "latency": ["--npus", "8", "--sizes", "1K", "--op", "all_reduce,moe", "--pattern", "chained",
+                "--chain", "2", "-n", "2", "-w", "1", "--repeats", "1"],
 }
 
 
@@ -89,8 +94,10 @@ def tour(targs) -> int:
     plan = QUICK if targs.quick else TOUR
     md = [f"# Benchmark tour ({targs.npus} emulated NPUs)", ""]
     reports: dict[str, common.Report] = {}
-    for name in ("collectives", "moe", "train"):
-        argv = plan[name] + ["--npus", str(targs.npus), "--out", targs.out]
+    for name in ("collectives", "moe", "train", "latency"):
+        # (latency runs each NPU count of its own in a child process)
+        argv = plan[name] + ([] if name == "latency" else ["--npus", str(targs.npus)])
+        argv += ["--out", targs.out]
         if name == "train":
             argv += ["--trace", os.path.join(targs.out, "train_step_trace.json")]
         if targs.no_progress:
@@ -155,6 +162,17 @@ def tour_summary(reports: dict, npus: int) -> str:
                                  f"(buffer_centric {r['modeled_comm_buffer_centric_ms'] * 1e3:.1f} us)")
         if tr.params.get("trace_path"):
             lines.append(f"  trace of one training step: {tr.params['trace_path']} (open in ui.perfetto.dev)")
+    lat = reports.get("latency")
+    if lat is not None:
+        for r in lat.rows:
+            if r.get("impl") == "strata" and r.get("status") == "ok" and r.get("per_op_us") is not None:
+                peer = next((p for p in lat.rows if p.get("impl") == "lax" and p.get("status") == "ok"
+                             and (p["op"], p["npus"], p["size"], p["pattern"])
+                             == (r["op"], r["npus"], r["size"], r["pattern"])), None)
+                vs = f", lax {peer['per_op_us']:.1f} us" if peer and peer.get("per_op_us") else ""
+                lines.append(f"  small {r['op']:<13} {r['npus']} NPUs {r['size']} B {r['pattern']}: "
+                             f"{r['per_op_us']:.1f} us per op{vs} (floors: copy call "
+                             f"{r['copy_floor_us']:.1f} us, barrier {r['barrier_floor_us']:.1f} us)")
     return "\n".join(lines)
 
 
@@ -165,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(name, argv[1:])
         if getattr(args, "impl", "all") == "lax":
             common.disable_strata("--impl lax")
-        if not (name == "collectives" and collectives.isolated(args)) and not getattr(args, "model_only", False):
-            common.setup_devices(npus_for(name, args))  # (isolated: each child does its own)
+        # Isolated collectives and latency start child processes that set their own devices;
+        # model-only sweeps execute nothing on the host.
+        if name != "latency" and not (name == "collectives" and collectives.isolated(args)) \
+                and not getattr(args, "model_only", False):
+            common.setup_devices(npus_for(name, args))
         run_one(name, args)
         return 0
     return tour(tour_parser().parse_args(argv))

@@ -11,7 +11,7 @@ Conventions (FACTS §3, nccl-tests doc/PERFORMANCE.md):
   times every variant, the launch reference and the floor back to back (interleaved).
 - memory floor = the op's minimal bytes read + written over all ranks (all_reduce N*S + N*S,
   all_gather N*S + N*N*S, reduce_scatter N*S + S, all_to_all and ppermute N*S + N*S,
-  broadcast S + N*S), timed as plain np.copyto calls laid out like the op (every rank fills
+  broadcast S + N*S), timed as np.copyto calls on every core laid out like the op (every rank fills
   its whole output, fresh np.empty memory as XLA's outputs are; common.floor_copy_us);
   share = floor time / op time; net share = floor time / (op time - launch time).
 - #wrong = elements that differ from an exact expected value: inputs are small integers that
@@ -27,7 +27,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -223,8 +223,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=None, help="mesh shape, e.g. 2x4 (default: 1-D of --npus)")
     p.add_argument("--mode", default="strata", help="strata, buffer_centric, or all")
     p.add_argument("--impl", default="all", help="strata, lax, or all")
-    p.add_argument("--alloc", default="auto", choices=("auto", "jax", "strata"),
-                   help="inputs from strata.memory.device_put (auto: when available) or jax")
+    p.add_argument("--alloc", default="both", choices=("both", "jax", "strata"),
+                   help="inputs of every row from plain jax.device_put (jax) or from "
+                        "strata.memory arenas (strata); both (default): plain inputs for every "
+                        "row, plus a strata row fed from arenas")
     common.add_timing_args(p)
     p.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
                    help="run each op and impl in a child process (auto: when N > 64)")
@@ -243,6 +245,10 @@ def npus_and_mesh(args) -> tuple[int, tuple[int, ...]]:
     elif npus is not None and npus != math.prod(shape):
         raise SystemExit(f"--npus {npus} does not match --mesh {args.mesh}")
     return math.prod(shape), shape
+
+
+# The extra variant of --alloc both: strata mode with arena inputs (an input, not a mode).
+ARENA = "strata+arena"
 
 
 def _device_put(x_global: np.ndarray, sharding, alloc: str, strata):
@@ -323,6 +329,8 @@ def run(args) -> Report:
                     env={} if iso else common.environment())
     variants = ([("lax", None)] if "lax" in impls else []) + \
                ([("strata", m) for m in modes] if "strata" in impls else [])
+    if args.alloc == "both" and ("strata", "strata") in variants:
+        variants.append(("strata", ARENA))  # strata mode, inputs from registered arenas
     total = len(ops) * (len(impls) if iso else len(sizes) * len(variants))
     bar = common.progress(range(total), desc="collectives", disable=args.no_progress)
     tick = _ticker(bar)
@@ -383,7 +391,7 @@ def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, 
     rows = []
     for base in _base_rows(op, args, dtype, n, shape, sizes):
         count = base["count"]
-        x = xerr = exp = None
+        x = x_arena = xerr = exp = None
         if spec.reduces and dtype == "bool":
             xerr = common.Skip("bool does not reduce")
         else:
@@ -391,20 +399,27 @@ def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, 
             inp = vals.astype(dt)
             exp = expected(spec, vals, inp, args.redop, args.root, dt) if args.check else None
             try:
-                x, base["alloc"] = _device_put(inp.reshape(-1), sharding, args.alloc, strata)
+                x, base["alloc"] = _device_put(inp.reshape(-1), sharding,
+                                               "jax" if args.alloc == "both" else args.alloc, strata)
+                if any(m == ARENA for _, m in variants):
+                    x_arena, _ = _device_put(inp.reshape(-1), sharding, "strata", strata)
             except Exception as e:
                 xerr = e
         size_rows, prepared = [], []
         for impl, mode in variants:
             tick(f"{op} {common.format_size(base['size'])} {impl}{'/' + mode if mode else ''}")
             row = dict(base, impl=impl, mode=mode)
+            if mode == ARENA:
+                row["alloc"] = "strata.memory"
+            xin = x_arena if mode == ARENA else x
             if xerr is not None:
                 row.update(common.failure(xerr))
             else:
-                ready = _prepare(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode,
-                                 strata, strata_reason, mode_skips)
+                ready = _prepare(row, args, spec, xin, exp, mesh, ax, n, dtype, impl,
+                                 "strata" if mode == ARENA else mode, strata, strata_reason,
+                                 mode_skips)
                 if ready is not None:
-                    prepared.append((row, *ready))
+                    prepared.append((row, *ready, xin))
             size_rows.append(row)
         _time_rounds(base, size_rows, prepared, args, x, mesh, ax, n, strata)
         for row in size_rows:
@@ -412,7 +427,7 @@ def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, 
             if args.rows_jsonl:  # as soon as measured: a later abort must not lose it
                 with open(args.rows_jsonl, "a") as f:
                     f.write(json.dumps(common.jsonable(row)) + "\n")
-        del x, prepared
+        del x, x_arena, prepared
     return rows
 
 
@@ -532,6 +547,7 @@ class _Timed:
     fn: Callable
     ctx: Callable
     iters: int
+    x: Any  # the variant's input (plain or arena)
     blocks: list = field(default_factory=list)  # per-call mean of each round's block (us)
     calls: int = 0  # calls timed or warmed up in the rounds
     stats: dict = field(default_factory=dict)  # strata's scalar counters over those calls
@@ -540,7 +556,7 @@ class _Timed:
 def _time_rounds(base, size_rows, prepared, args, x, mesh, ax, n, strata) -> None:
     """--repeats rounds, each: one block of every prepared variant, the launch reference and
     the memory floor. Medians over rounds go into the rows."""
-    timed = [_Timed(row, fn, ctx, args.iters) for row, fn, ctx in prepared]
+    timed = [_Timed(row, fn, ctx, args.iters, xin) for row, fn, ctx, xin in prepared]
     launch = _launch_program(mesh, ax) if timed and x is not None else None
     if launch is not None:
         try:
@@ -565,7 +581,7 @@ def _time_rounds(base, size_rows, prepared, args, x, mesh, ax, n, strata) -> Non
                 with v.ctx():
                     if strata_row:
                         common.reset_strata_stats(strata)
-                    t, out = common.time_calls(v.fn, (x,), iters=v.iters,
+                    t, out = common.time_calls(v.fn, (v.x,), iters=v.iters,
                                                warmup=args.warmup_iters, first_call=False,
                                                max_seconds=args.max_seconds,
                                                sync_every=args.sync_every)
@@ -685,7 +701,7 @@ def plot(report: Report, path: str) -> None:
     fig, axes = plt.subplots(nrow, cols, figsize=(5 * cols, 3.8 * nrow), squeeze=False)
     for a, op in zip(axes.flat, ops):
         rs = [r for r in rows if r["op"] == op]
-        order = ["lax"] + list(report.params["modes"])
+        order = ["lax"] + list(report.params["modes"]) + [ARENA]
         keys = sorted({(r["impl"], r["mode"]) for r in rs},
                       key=lambda kk: order.index(kk[1] if kk[0] == "strata" else "lax"))
         for impl, mode in keys:

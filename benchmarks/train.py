@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import time
 
@@ -118,6 +119,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the strata backend uses strata.moe.dispatch/combine, as a strata user "
                         "would (default); --no-strata-moe builds them from strata collectives")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
+                   help="run the lax step in a child process (auto: when N > 64, where XLA's "
+                        "own all_to_all rendezvous can abort the process)")
+    p.add_argument("--child-timeout", type=float, default=1800, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)  # child -> parent (.npz)
     common.add_timing_args(p, 3, "interleaved timing rounds over the variants; the median "
                                  "round is reported (3)")
     p.add_argument("--trace", default=None, metavar="PATH",
@@ -158,12 +164,16 @@ def run(args) -> Report:
            "warmup": args.warmup_iters, "repeats": args.repeats, "sync_every": args.sync_every,
            "strata_moe": args.strata_moe, "impls": impls, "modes": modes}
     report = Report("train", prm, env=common.environment())
-    variants = ([("lax", None)] if "lax" in impls else []) + \
+    lax_in_child = "lax" in impls and _isolated(args)
+    variants = ([("lax", None)] if "lax" in impls and not lax_in_child else []) + \
                ([("strata", m) for m in modes] if "strata" in impls else [])
+    ref_params = None
+    if lax_in_child:
+        lax_row, ref_params = _lax_in_child(args, prm)
+        report.rows.append(lax_row)
     # Compile every variant and take one step from the shared start (the comparison), then
     # time them in interleaved rounds so that load drift on a shared machine hits all alike.
     prepared = []  # [row, jitted step, mode context factory, current (params, x, y)]
-    ref_params = None
     for impl, mode in variants:
         row = {"impl": impl, "mode": mode, "status": "ok", "reason": None, **{
             kk: prm[kk] for kk in ("npus", "tokens", "hidden", "ffn", "experts", "topk")}}
@@ -193,10 +203,10 @@ def run(args) -> Report:
             row.update(common.failure(ex))
             continue
         if impl == "lax":
-            ref_params = new_np
+            ref_params = _flat(new_np)
         elif args.check and ref_params is not None:
-            a = np.concatenate([v.ravel() for v in jax.tree.leaves(new_np)])
-            b = np.concatenate([v.ravel() for v in jax.tree.leaves(ref_params)])
+            a = np.concatenate([v.ravel() for v in _flat(new_np)])
+            b = np.concatenate([v.ravel() for v in ref_params])
             row["wrong"] = int(np.count_nonzero(np.abs(a - b) > 1e-5 + 1e-4 * np.abs(b)))
             row["max_abs_diff"] = float(np.max(np.abs(a - b)))
         prepared.append([row, step, ctx, (put_params(), x, y)])
@@ -231,6 +241,9 @@ def run(args) -> Report:
         if row["status"] == "ok" and row.get("rounds_ms"):
             row["step_ms"] = float(np.median(row["rounds_ms"]))
             row["tokens_per_s"] = n * t / (row["step_ms"] * 1e-3)
+    if args.child_out:  # a child of an isolated run: hand the lax row and parameters back
+        np.savez(args.child_out, row=json.dumps(common.jsonable(report.rows[0])),
+                 **({f"p{i}": a for i, a in enumerate(_flat(ref_params))} if ref_params else {}))
     lax_row = next((r for r in report.rows if r["impl"] == "lax" and r["status"] == "ok"), None)
     for r in report.rows:
         if r["impl"] == "strata" and r["status"] == "ok" and lax_row:
@@ -238,6 +251,49 @@ def run(args) -> Report:
             r["speedup"] = lax_row["step_ms"] / r["step_ms"]
     report.emit(_table(report, prm))
     return report
+
+
+def _flat(params) -> list:
+    import jax
+
+    return list(jax.tree.leaves(params))
+
+
+def _isolated(args) -> bool:
+    return args.npus > 64 if args.isolate == "auto" else args.isolate == "on"
+
+
+def _lax_in_child(args, prm) -> tuple[dict, list | None]:
+    """The lax step in a child process: at 384 devices XLA aborts the process in its own
+    all_to_all rendezvous (SIGABRT), which must cost the lax cells, not the run."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from .collectives import _child_failure
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "lax.npz")
+        cmd = [sys.executable, "-m", "benchmarks", "train", *args._argv, "--impl", "lax",
+               "--isolate", "off", "--child-out", out, "--out", "", "--json", "", "--csv", "",
+               "--plot", "", "--no-progress"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
+            rc, err = proc.returncode, proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc = "timeout"
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        if rc == 0 and os.path.exists(out):
+            with np.load(out) as z:
+                row = json.loads(str(z["row"]))
+                params = [z[f"p{i}"] for i in range(len(z.files) - 1)] or None
+            return row, params
+    why = _child_failure(rc, err)
+    status = "aborted" if rc == -6 or "abort" in why.lower() else "error"
+    row = {"impl": "lax", "mode": None, "status": status, "reason": why,
+           **{k: prm[k] for k in ("npus", "tokens", "hidden", "ffn", "experts", "topk")}}
+    return row, None
 
 
 COLS = [Col("name", "collectives", "", "", 22), Col("step_ms", "step", "(ms)", ".2f", 9),

@@ -401,16 +401,12 @@ bool AgreeOnBad(const std::vector<R*>& ranks) {
   return false;
 }
 
-// Below this many bytes moved by the whole group, handing the op to the
-// workers costs more than the work: the last rank in does it on the spot.
-constexpr int64_t kInlineGroupBytes = 256 << 10;
-
 // Makes `phases` the group's job, or runs them here and now (inside the
 // starter, the group complete) when the op is small and direct. The
 // buffer_centric baseline always goes through the workers, as collectives do.
 void Schedule(std::vector<Phase> phases, const RankState& any, int n, std::shared_ptr<Job>* job) {
   *job = std::make_shared<Job>();
-  if (any.rows.direct() && any.rows.bytes() * n <= kInlineGroupBytes) {
+  if (any.rows.direct() && RunsInline(Mode::kStrata, any.rows.bytes(), n, kMoeInlineGroupBytes)) {
     for (const Phase& phase : phases)
       for (uint64_t i = 0; i < phase.count; ++i) phase.run(i);
     return;

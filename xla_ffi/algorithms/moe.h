@@ -48,6 +48,10 @@ inline constexpr int64_t kMoeTaskBytes = 256 << 10;
 // Who is calling (rank, group, call site, run), as for the collectives.
 using MoeCall = CallSite;
 
+// Below this many bytes moved by the whole group (one worker task's worth,
+// kTaskBytes), the last rank in runs an MoE op on the spot.
+constexpr int64_t kMoeInlineGroupBytes = 256 << 10;
+
 // Weights and their gradients are float64 for float64 rows, float32 otherwise.
 DType MoeWeightDType(DType rows);
 bool MoeSupportsCombine(DType rows);

@@ -14,10 +14,6 @@ namespace {
 
 constexpr const char* kName = "strata.ragged_all_to_all";
 
-// Below this many bytes for the whole group, the last rank in copies on the
-// spot: handing the work to the host workers would cost more.
-constexpr int64_t kInlineGroupBytes = 256 << 10;
-
 std::string Describe(const RaggedParams& p) {
   std::ostringstream os;
   os << kName << " dtype=" << DTypeName(p.dtype) << " group_size=" << p.group_size
@@ -84,7 +80,7 @@ void RaggedAllToAllAsync(const RaggedParams& p, const CallSite& c, const RaggedB
               for (const Copy& k : *copies) total += k.bytes;
               GlobalStats().AddExchanged(total, /*direct=*/true);
               *job = std::make_shared<Job>();
-              if (total <= kInlineGroupBytes) {
+              if (total <= kRaggedInlineGroupBytes) {
                 for (const Copy& k : *copies) CopyBytes(k.dst, k.src, k.bytes, false);
                 return Status::Ok();
               }

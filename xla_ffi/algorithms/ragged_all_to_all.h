@@ -23,6 +23,10 @@ struct RaggedParams {
   DType dtype = DType::F32;
 };
 
+// Below this many bytes copied for the whole group, the last rank in copies on
+// the spot: handing the work to the host workers would cost more.
+constexpr int64_t kRaggedInlineGroupBytes = 256 << 10;
+
 // One rank's buffers. `out` already holds the output operand's values.
 struct RaggedBuffers {
   const void* operand = nullptr;

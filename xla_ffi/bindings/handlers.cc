@@ -29,8 +29,8 @@ ffi::Future Invalid(OpKind kind, const std::string& why) {
 // Asynchronous: the handler joins its group and returns a future, so it never
 // holds one of XLA's threads for long while peers are still on their way
 // (held threads starve the computations those peers must finish first). It
-// waits up to kBriefWaitUs for a quick op to finish, to skip the hand-off.
-constexpr int64_t kBriefWaitUs = 500;
+// waits a short, bounded while (BriefWait::ForGroup) for a quick op to
+// finish, to skip the hand-off.
 template <OpKind kKind>
 ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                           ffi_common::SiteInstance* instance, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> meta,
@@ -78,7 +78,7 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   static_cast<CallSite&>(c) = ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance);
   c.in = x.untyped_data();
   c.out = out->untyped_data();
-  ffi_common::BriefWait wait{std::chrono::microseconds{kBriefWaitUs}};
+  auto wait = ffi_common::BriefWait::ForGroup(group_size, RunsInline(p));
   RunCollectiveAsync(p, c, wait.Completion());
   return wait.Wait();
 }

@@ -22,6 +22,7 @@
 #include "handlers.h"
 #include "moe_handlers.h"
 #include "ragged_handlers.h"
+#include "reference_handlers.h"
 
 namespace nb = nanobind;
 using namespace strata;
@@ -53,6 +54,9 @@ nb::dict Registrations() {
   d["strata_moe_dispatch"] = target(StrataMoeDispatch);
   d["strata_moe_combine"] = target(StrataMoeCombine);
   d["strata_moe_combine_backward"] = target(StrataMoeCombineBackward);
+  // Floors for the latency benchmark, not ops.
+  d["strata_ref_copy"] = EncapsulateFfiHandler(StrataRefCopy);
+  d["strata_ref_barrier"] = EncapsulateFfiHandler(StrataRefBarrier);
   return d;
 }
 

@@ -17,7 +17,6 @@ namespace strata {
 namespace {
 
 constexpr const char* kOp = "strata.ragged_all_to_all";
-constexpr int64_t kBriefWaitUs = 500;
 
 int64_t RowElems(ffi::AnyBuffer::Dimensions d) {
   int64_t e = 1;
@@ -66,7 +65,10 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   b.send_sizes = send_sizes.typed_data();
   b.output_offsets = output_offsets.typed_data();
   b.recv_sizes = recv_sizes.typed_data();
-  ffi_common::BriefWait wait{std::chrono::microseconds{kBriefWaitUs}};
+  // Each rank receives at most its output's rows: spin only when even that
+  // much for every rank would be copied on the spot.
+  auto wait = ffi_common::BriefWait::ForGroup(
+      group_size, static_cast<int64_t>(output.size_bytes()) * group_size <= kRaggedInlineGroupBytes);
   RaggedAllToAllAsync(p, ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance), b,
                       wait.Completion());
   return wait.Wait();

@@ -181,10 +181,6 @@ Communicator* GetCommunicator(const std::vector<int32_t>& devices) {
   return c.get();
 }
 
-// What the last rank to arrive sets up for the whole group.
-// Below this many bytes moved by the whole group, handing the op to the
-// workers costs more than the work: the last rank in does it on the spot.
-constexpr int64_t kInlineGroupBytes = 256 << 10;
 
 // Where each rank's blocks live during one phase: the user buffers (strata
 // mode) or a window of columns staged in comm buffers (buffer_centric).
@@ -371,6 +367,11 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
 
 }  // namespace
 
+bool RunsInline(const OpParams& p) {
+  return RunsInline(p.mode, p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes, p.group_size,
+                    kHostChunkBytes);
+}
+
 void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void(const Status&)> done) {
   const Participant who = c.As(OpName(p.kind), p.group_size);
   if (c.rank < 0 || c.rank >= p.group_size)
@@ -390,7 +391,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
   }
   GlobalStats().ops++;
   JoinAsync(who, {const_cast<void*>(c.in), c.out}, p.Describe(), std::move(done),
-            [&p, in_bytes, out_bytes](Slot& s, std::shared_ptr<Job>* job) -> Status {
+            [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
               if (p.block_bytes == 0) return Status::Ok();
               Communicator* comm = GetCommunicator(s.devices);
               *job = std::make_shared<Job>();
@@ -409,7 +410,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
                 return st;
               }
               Phase exchange = ExchangePhase(comm->GetPlan(p), DirectView(s, p), s.devices, /*direct=*/true);
-              if ((in_bytes + out_bytes) * p.group_size <= kInlineGroupBytes) {
+              if (RunsInline(p)) {
                 for (uint64_t i = 0; i < exchange.count; ++i) exchange.run(i);
               } else {
                 (*job)->phases.push_back(std::move(exchange));

@@ -55,6 +55,16 @@ void RunCollectiveAsync(const OpParams& params, const RankCall& call,
 // The same, waiting for the result (threads-as-ranks tests and tools).
 Status RunCollective(const OpParams& params, const RankCall& call);
 
+// Whether the group's last rank runs the op on the spot: in strata mode, when
+// the whole group moves (inputs + outputs of every rank) at most `limit`
+// bytes, handing the op to the host workers would cost more than it buys.
+inline bool RunsInline(Mode mode, int64_t bytes_per_rank, int64_t group_size, int64_t limit) {
+  return mode == Mode::kStrata && bytes_per_rank * group_size <= limit;
+}
+// A collective: up to one host chunk (Partition's host_chunk_bytes), the most
+// one worker task holds, so the workers would get a single task anyway.
+bool RunsInline(const OpParams& params);
+
 // The plan of an op, as the runtime would build it (for tests and tools).
 Plan BuildPartitionedPlan(const OpParams& params);
 

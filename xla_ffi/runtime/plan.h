@@ -73,8 +73,9 @@ struct Plan {
 // cut at `align`-byte column boundaries; kNaive gives each piece whole to
 // lane (index mod lanes), which is what a per-peer loop does. Lanes carry at
 // least `min_lane_bytes` so tiny messages do not fan out into empty work.
+constexpr int64_t kHostChunkBytes = 1 << 20;
 void Partition(Plan& plan, int lanes, Planner planner, int64_t align = 64,
-               int64_t min_lane_bytes = 16384, int64_t host_chunk_bytes = 1 << 20);
+               int64_t min_lane_bytes = 16384, int64_t host_chunk_bytes = kHostChunkBytes);
 
 // max/mean of the bytes per used lane over all NPUs' lanes (1.0 is perfect).
 double LaneImbalance(const Plan& plan);

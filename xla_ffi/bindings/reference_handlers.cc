@@ -1,0 +1,93 @@
+// Reference handlers for the latency benchmark: what XLA itself costs per
+// custom call, and what merely meeting a group costs, with no runtime at all.
+// They are the floor every strata op is reported against; they are not a
+// public API (no timeout, no mismatch checks, no loop support).
+//
+//   strata_ref_copy:    copies its input to its output.
+//   strata_ref_barrier: every rank publishes its input, meets the others in a
+//                       spin-then-yield barrier, sums element 0 of every
+//                       rank's input into its output, and meets them again
+//                       (so no rank leaves while a peer still reads its buffer).
+#include "reference_handlers.h"
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace strata {
+namespace {
+
+ffi::Error RefCopy(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  if (x.size_bytes() != out->size_bytes())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_copy: sizes differ");
+  std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  return ffi::Error::Success();
+}
+
+// One meeting of one call site in one run.
+struct Meeting {
+  explicit Meeting(int n) : inputs(n, nullptr) {}
+  std::vector<const float*> inputs;
+  std::atomic<int> arrived{0}, left{0}, gone{0};
+};
+
+std::mutex& g_mu = *new std::mutex;
+auto& g_meetings = *new std::map<std::tuple<int64_t, int64_t>, std::shared_ptr<Meeting>>;
+
+void SpinUntil(const std::atomic<int>& counter, int target) {
+  for (int spins = 0; counter.load(std::memory_order_acquire) < target; ++spins)
+    if (spins > 256) std::this_thread::yield();
+}
+
+ffi::Error RefBarrier(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rank_buf,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t site_id, int32_t group_size) {
+  const int rank = rank_buf.typed_data()[0];
+  if (group_size < 1 || rank < 0 || rank >= group_size || x.element_count() < 1 ||
+      x.element_count() != out->element_count())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_barrier: bad arguments");
+  std::shared_ptr<Meeting> m;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto& slot = g_meetings[{run.run_id, site_id}];
+    if (!slot) slot = std::make_shared<Meeting>(group_size);
+    m = slot;
+  }
+  m->inputs[rank] = x.typed_data();
+  m->arrived.fetch_add(1, std::memory_order_acq_rel);
+  SpinUntil(m->arrived, group_size);
+  float sum = 0;
+  for (const float* in : m->inputs) sum += in[0];
+  std::memcpy(out->typed_data(), x.typed_data(), x.size_bytes());
+  out->typed_data()[0] = sum;
+  m->left.fetch_add(1, std::memory_order_acq_rel);
+  SpinUntil(m->left, group_size);
+  if (m->gone.fetch_add(1, std::memory_order_acq_rel) + 1 == group_size) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_meetings.erase({run.run_id, site_id});
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace strata
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRefCopy, strata::RefCopy,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRefBarrier, strata::RefBarrier,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("site_id")
+                                  .Attr<int32_t>("group_size"));

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -434,7 +433,6 @@ def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, 
 def _op_rows_isolated(op, args, dtype, n, shape, names, sizes, variants, tick, mode_skips):
     """One child process per implementation of this op; rows it never wrote become errors."""
     import os
-    import subprocess
     import tempfile
 
     rows = []
@@ -442,22 +440,15 @@ def _op_rows_isolated(op, args, dtype, n, shape, names, sizes, variants, tick, m
         tick(f"{op} {impl} (child process)")
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "rows.jsonl")
-            cmd = [sys.executable, "-m", "benchmarks", "collectives", *args._argv,
-                   "--op", op, "--impl", impl, "--isolate", "off", "--rows-jsonl", path,
-                   "--out", "", "--json", "", "--csv", "", "--plot", "", "--no-progress"]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True,
-                                      timeout=args.child_timeout)
-                rc, err = proc.returncode, proc.stderr
-            except subprocess.TimeoutExpired as e:
-                rc, err = "timeout", (e.stderr or b"").decode(errors="replace") \
-                    if isinstance(e.stderr, bytes) else (e.stderr or "")
+            rc, err = common.run_child("collectives", [
+                *args._argv, "--op", op, "--impl", impl, "--isolate", "off", "--rows-jsonl", path],
+                args.child_timeout)
             got = []
             if os.path.exists(path):
                 with open(path) as f:
                     got = [json.loads(line) for line in f if line.strip()]
         have = {(r["size"], r["impl"], r["mode"]) for r in got}
-        reason = _child_failure(rc, err)
+        reason = common.child_failure(rc, err)
         for base in _base_rows(op, args, dtype, n, shape, sizes):
             for i, mode in variants:
                 if i == impl and (base["size"], impl, mode) not in have:
@@ -466,24 +457,6 @@ def _op_rows_isolated(op, args, dtype, n, shape, names, sizes, variants, tick, m
     order = {v: k for k, v in enumerate(variants)}
     rows.sort(key=lambda r: (r["size"], order.get((r["impl"], r["mode"]), 0)))
     return rows
-
-
-def _child_failure(rc, stderr: str) -> str:
-    """The child's exit status and the line that says why (XLA's fatal log line if any)."""
-    stderr = stderr or ""
-    m = re.search(r"Termination timeout for `([^`]*?) Rendezvous.*?Expected (\d+) threads.*?"
-                  r"only (\d+) of them arrived", stderr)
-    if m:  # XLA:CPU's own abort when a collective's rendezvous never completes
-        return (f"child process exited {rc}: XLA aborted, `{m.group(1)}` rendezvous timed out "
-                f"(only {m.group(3)} of {m.group(2)} device threads arrived)")
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    why = next((ln for ln in lines if ln.startswith("F") and "]" in ln), None) or \
-        next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), None) or \
-        (lines[-1] if lines else "")
-    if "] " in why:
-        why = why.split("] ", 1)[1]
-    why = why if len(why) <= 150 else why[:147] + "..."
-    return f"child process {'timed out' if rc == 'timeout' else f'exited {rc}'}: {why}"
 
 
 def _prepare(row, args, spec, x, exp, mesh, ax, n, dtype, impl, mode, strata, strata_reason,

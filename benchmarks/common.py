@@ -251,6 +251,50 @@ def reset_strata_stats(strata) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Child processes: where XLA:CPU may abort (its own rendezvous timing out at 384 devices), a
+# measurement runs in a child so that a crash costs its cells, not the run.
+
+
+def run_child(subcommand: str, argv: Sequence[str], timeout: float) -> tuple[int | str, str]:
+    """`python -m benchmarks SUBCOMMAND ARGV` with no outputs of its own; (exit code or
+    'timeout', stderr)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "benchmarks", subcommand, *argv,
+           "--out", "", "--json", "", "--csv", "", "--plot", "", "--no-progress"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return "timeout", err
+
+
+def child_failure(rc, stderr: str) -> str:
+    """The child's exit status and the line that says why (XLA's fatal log line if any)."""
+    stderr = stderr or ""
+    m = re.search(r"Termination timeout for `([^`]*?) Rendezvous.*?Expected (\d+) threads.*?"
+                  r"only (\d+) of them arrived", stderr)
+    if m:  # XLA:CPU's own abort when a collective's rendezvous never completes
+        return (f"child process exited {rc}: XLA aborted, `{m.group(1)}` rendezvous timed out "
+                f"(only {m.group(3)} of {m.group(2)} device threads arrived)")
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    why = next((ln for ln in lines if ln.startswith("F") and "]" in ln), None) or \
+        next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), None) or \
+        (lines[-1] if lines else "")
+    if "] " in why:
+        why = why.split("] ", 1)[1]
+    why = why if len(why) <= 150 else why[:147] + "..."
+    return f"child process {'timed out' if rc == 'timeout' else f'exited {rc}'}: {why}"
+
+
+
+def child_aborted(rc, reason: str) -> bool:
+    """SIGABRT, or XLA's own abort message: the cell says 'aborted'."""
+    return rc == -6 or "abort" in reason.lower()
+
+
+# ----------------------------------------------------------------------------------------------
 # Timing
 
 # XLA:CPU lets at most 32 executions be in flight; beyond that a small thread pool deadlocks

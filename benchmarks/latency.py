@@ -22,8 +22,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
 from typing import Callable
 
@@ -306,25 +304,17 @@ def _children(args, n, ops, impls):
 def _run_child(args, n, ops, impls) -> tuple[list[dict], str | None]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.jsonl")
-        cmd = [sys.executable, "-m", "benchmarks", "latency", *args._argv, "--child", str(n),
-               "--op", ",".join(ops), "--impl", ",".join(impls), "--rows-jsonl", path,
-               "--out", "", "--json", "", "--csv", "", "--plot", "", "--no-progress"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
-            rc, err = proc.returncode, proc.stderr
-        except subprocess.TimeoutExpired as e:
-            rc = "timeout"
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rc, err = common.run_child("latency", [
+            *args._argv, "--child", str(n), "--op", ",".join(ops), "--impl", ",".join(impls),
+            "--rows-jsonl", path], args.child_timeout)
         got = []
         if os.path.exists(path):
             with open(path) as f:
                 got = [json.loads(line) for line in f if line.strip()]
     if rc == 0:
         return got, None
-    from .collectives import _child_failure
-
-    why = _child_failure(rc, err)
-    if rc == -6 or "abort" in why.lower():
+    why = common.child_failure(rc, err)
+    if common.child_aborted(rc, why):
         why = "aborted: " + why
     return got, why
 

@@ -267,30 +267,19 @@ def _lax_in_child(args, prm) -> tuple[dict, list | None]:
     """The lax step in a child process: at 384 devices XLA aborts the process in its own
     all_to_all rendezvous (SIGABRT), which must cost the lax cells, not the run."""
     import os
-    import subprocess
-    import sys
     import tempfile
-
-    from .collectives import _child_failure
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "lax.npz")
-        cmd = [sys.executable, "-m", "benchmarks", "train", *args._argv, "--impl", "lax",
-               "--isolate", "off", "--child-out", out, "--out", "", "--json", "", "--csv", "",
-               "--plot", "", "--no-progress"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
-            rc, err = proc.returncode, proc.stderr
-        except subprocess.TimeoutExpired as e:
-            rc = "timeout"
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rc, err = common.run_child("train", [*args._argv, "--impl", "lax", "--isolate", "off",
+                                             "--child-out", out], args.child_timeout)
         if rc == 0 and os.path.exists(out):
             with np.load(out) as z:
                 row = json.loads(str(z["row"]))
                 params = [z[f"p{i}"] for i in range(len(z.files) - 1)] or None
             return row, params
-    why = _child_failure(rc, err)
-    status = "aborted" if rc == -6 or "abort" in why.lower() else "error"
+    why = common.child_failure(rc, err)
+    status = "aborted" if common.child_aborted(rc, why) else "error"
     row = {"impl": "lax", "mode": None, "status": status, "reason": why,
            **{k: prm[k] for k in ("npus", "tokens", "hidden", "ffn", "experts", "topk")}}
     return row, None

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))  # `benchmarks` is a top-level folder of the repo,
 from benchmarks import collectives, common  # noqa: E402
 
 
-def run_cli(*argv, timeout=240):
+def run_cli(*argv, timeout=300):
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

@@ -1,22 +1,8 @@
 """The benchmarks' modeled side: --model-only sweeps (no host execution) and the modeled
 columns of host tables, through the CLI as a user runs them."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_cli(*argv, timeout=300):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+from test_benchmarks_smoke import run_cli  # noqa: F401 - the CLI as a user runs it
 
 
 def test_collectives_model_only_sweep(tmp_path):

@@ -99,21 +99,8 @@ nb::dict ModelCollective(int kind, int dtype, int reduce_op, int root, std::vect
                          std::vector<int32_t> rank_npu, bool keep_slices) {
   if (group_size < 1 || cores < 1 || engines < 1 || rows < 1 || block_bytes < 0)
     throw std::invalid_argument("group_size, cores, engines and rows must be positive");
-  OpParams p;
-  p.kind = static_cast<OpKind>(kind);
-  p.dtype = static_cast<DType>(dtype);
-  p.op = static_cast<ReduceOp>(reduce_op);
-  p.root = root;
-  p.perm = std::move(perm);
-  p.group_size = group_size;
-  BlockCounts(p.kind, group_size, &p.in_blocks, &p.out_blocks);
-  p.block_bytes = block_bytes;
-  p.rows = rows;
-  p.mode = static_cast<Mode>(mode);
-  p.cores = cores;
-  p.engines = engines;
-  p.planner = static_cast<Planner>(planner);
-  p.comm_buffer_bytes = comm_buffer_bytes;
+  OpParams p = MakeOpParams(kind, dtype, reduce_op, root, std::move(perm), group_size, block_bytes,
+                            rows, mode, cores, engines, planner, comm_buffer_bytes);
   const Machine m = ToMachine(machine);
   CheckPlacement(rank_npu, group_size);
   Program prog;

@@ -87,26 +87,6 @@ nb::dict GetStats() {
   return d;
 }
 
-OpParams MakeParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,
-                    int group_size, int64_t block_bytes, int64_t rows, int mode, int cores,
-                    int engines, int planner, int64_t comm_buffer_bytes) {
-  OpParams p;
-  p.kind = static_cast<OpKind>(kind);
-  p.dtype = static_cast<DType>(dtype);
-  p.op = static_cast<ReduceOp>(reduce_op);
-  p.root = root;
-  p.perm = std::move(perm);
-  p.group_size = group_size;
-  BlockCounts(p.kind, group_size, &p.in_blocks, &p.out_blocks);
-  p.block_bytes = block_bytes;
-  p.rows = rows;
-  p.mode = static_cast<Mode>(mode);
-  p.cores = cores;
-  p.engines = engines;
-  p.planner = static_cast<Planner>(planner);
-  p.comm_buffer_bytes = comm_buffer_bytes;
-  return p;
-}
 
 using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
@@ -127,7 +107,7 @@ std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
     for (int r = 0; r < n; ++r) {
       if (std::find(absent.begin(), absent.end(), r) != absent.end()) continue;
       threads.emplace_back([&, r] {
-        OpParams p = MakeParams(kind, dtype, reduce_op, root, perm, n, block_bytes_per_rank[r], rows,
+        OpParams p = MakeOpParams(kind, dtype, reduce_op, root, perm, n, block_bytes_per_rank[r], rows,
                                 mode, cores, engines, planner, comm_buffer_bytes);
         RankCall c;
         c.run_id = run_id;
@@ -148,7 +128,7 @@ std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
 
 nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t block_bytes,
                   int lanes, int planner) {
-  OpParams p = MakeParams(kind, dtype, reduce_op, 0, {}, group_size, block_bytes, 1, 0, lanes,
+  OpParams p = MakeOpParams(kind, dtype, reduce_op, 0, {}, group_size, block_bytes, 1, 0, lanes,
                           lanes, planner, 0);
   Plan plan = BuildPartitionedPlan(p);
   std::vector<std::vector<int64_t>> lane_bytes(group_size, std::vector<int64_t>(lanes, 0));

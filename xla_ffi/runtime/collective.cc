@@ -57,6 +57,27 @@ void BlockCounts(OpKind kind, int n, int64_t* in_blocks, int64_t* out_blocks) {
   *out_blocks = (kind == OpKind::kAllGather || kind == OpKind::kAllToAll) ? n : 1;
 }
 
+OpParams MakeOpParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,
+                      int group_size, int64_t block_bytes, int64_t rows, int mode, int cores,
+                      int engines, int planner, int64_t comm_buffer_bytes) {
+  OpParams p;
+  p.kind = static_cast<OpKind>(kind);
+  p.dtype = static_cast<DType>(dtype);
+  p.op = static_cast<ReduceOp>(reduce_op);
+  p.root = root;
+  p.perm = std::move(perm);
+  p.group_size = group_size;
+  BlockCounts(p.kind, group_size, &p.in_blocks, &p.out_blocks);
+  p.block_bytes = block_bytes;
+  p.rows = rows;
+  p.mode = static_cast<Mode>(mode);
+  p.cores = cores;
+  p.engines = engines;
+  p.planner = static_cast<Planner>(planner);
+  p.comm_buffer_bytes = comm_buffer_bytes;
+  return p;
+}
+
 Plan BuildPartitionedPlan(const OpParams& p) {
   Plan plan;
   plan.num_ranks = p.group_size;

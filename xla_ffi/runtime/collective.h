@@ -65,6 +65,11 @@ inline bool RunsInline(Mode mode, int64_t bytes_per_rank, int64_t group_size, in
 // one worker task holds, so the workers would get a single task anyway.
 bool RunsInline(const OpParams& params);
 
+// OpParams from the plain values bindings and tools pass (enums as ints).
+OpParams MakeOpParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,
+                      int group_size, int64_t block_bytes, int64_t rows, int mode, int cores,
+                      int engines, int planner, int64_t comm_buffer_bytes);
+
 // The plan of an op, as the runtime would build it (for tests and tools).
 Plan BuildPartitionedPlan(const OpParams& params);
 

@@ -446,7 +446,7 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
     state.reset();
     done(out);
   };
-  JoinAsync(c.As(opname, p.group_size), std::move(ptrs), p.Describe(opname), std::move(finish),
+  JoinAsync(c.As(opname, p.group_size), std::move(ptrs), Signature::Of(p.Describe(opname)), std::move(finish),
             start);
 }
 

@@ -175,7 +175,7 @@ class BriefWait {
     Status status;
     ffi::Promise promise;
   };
-  static constexpr int64_t kBaseUs = 500, kPerRankUs = 25;
+  static constexpr int64_t kBaseUs = 500, kPerRankUs = 100;
   std::chrono::microseconds bound_;
   bool spin_;
   std::shared_ptr<State> state_;

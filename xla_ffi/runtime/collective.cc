@@ -43,6 +43,18 @@ std::string OpParams::Describe() const {
   return os.str();
 }
 
+Signature OpParams::Sign() const {
+  SignatureHasher h;
+  h.Add(kind).Add(dtype).Add(op).Add(root).Add(group_size).Add(in_blocks).Add(out_blocks);
+  h.Add(block_bytes).Add(rows).Add(mode).Add(cores).Add(engines).Add(planner).Add(comm_buffer_bytes);
+  h.Add(perm.size());
+  if (!perm.empty()) h.Add(perm.data(), perm.size() * sizeof(int32_t));
+  Signature sig;
+  sig.hash = h.hash();
+  sig.describe = [p = *this] { return p.Describe(); };
+  return sig;
+}
+
 std::string OpParams::PlanKey() const {
   std::ostringstream os;
   os << static_cast<int>(kind) << '/' << static_cast<int>(dtype) << '/' << static_cast<int>(op)
@@ -411,7 +423,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
     Registry::PreferLargePages(c.out, out_bytes);
   }
   GlobalStats().ops++;
-  JoinAsync(who, {const_cast<void*>(c.in), c.out}, p.Describe(), std::move(done),
+  JoinAsync(who, {const_cast<void*>(c.in), c.out}, p.Sign(), std::move(done),
             [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
               if (p.block_bytes == 0) return Status::Ok();
               Communicator* comm = GetCommunicator(s.devices);

@@ -38,6 +38,7 @@ struct OpParams {
   int64_t comm_buffer_bytes = 200 << 20;
 
   std::string Describe() const;  // for mismatch errors
+  Signature Sign() const;         // what the ranks compare (Describe on mismatch)
   std::string PlanKey() const;  // everything a plan depends on
 };
 

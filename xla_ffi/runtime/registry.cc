@@ -9,10 +9,22 @@
 namespace strata {
 
 Registry::PerNpu& Registry::Get(int npu) {
+  const bool direct = npu >= 0 && npu < kDirectNpus;
+  if (direct) {
+    if (PerNpu* p = direct_[npu].load(std::memory_order_acquire)) return *p;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  if (static_cast<int>(npus_.size()) <= npu) npus_.resize(npu + 1, nullptr);
-  if (!npus_[npu]) npus_[npu] = new PerNpu();
-  return *npus_[npu];
+  if (direct) {
+    PerNpu* p = direct_[npu].load(std::memory_order_relaxed);
+    if (!p) {
+      p = new PerNpu();
+      direct_[npu].store(p, std::memory_order_release);
+    }
+    return *p;
+  }
+  PerNpu*& p = npus_[npu];
+  if (!p) p = new PerNpu();
+  return *p;
 }
 
 namespace {

@@ -1,6 +1,7 @@
 // Memory regions each emulated NPU has registered with the fabric. A peer
 // may read or write a buffer directly only inside a registered region.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -39,8 +40,13 @@ class Registry {
   };
   PerNpu& Get(int npu);
 
+  // Every rank looks its NPU up twice per op: the common NPUs are found
+  // without a lock (a shared mutex taken by hundreds of device threads per op
+  // was a convoy); created under mu_, never freed.
+  static constexpr int kDirectNpus = 4096;
+  std::atomic<PerNpu*> direct_[kDirectNpus] = {};
   std::mutex mu_;
-  std::vector<PerNpu*> npus_;
+  std::map<int, PerNpu*> npus_;  // the others (ids beyond kDirectNpus)
 };
 
 Registry& GlobalRegistry();

@@ -31,7 +31,7 @@ struct SiteState {
 
 // Never destroyed: detached runtime threads (workers, the watchdog,
 // completion threads) may still touch these while the process exits.
-std::mutex& g_mu = *new std::mutex;
+SpinLock& g_mu = *new SpinLock;  // see spin_lock.h
 std::map<SlotKey, std::shared_ptr<Slot>>& g_slots = *new std::map<SlotKey, std::shared_ptr<Slot>>;
 std::map<SiteKey, SiteState>& g_sites = *new std::map<SiteKey, SiteState>;
 std::map<const Slot*, SlotKey>& g_slot_keys = *new std::map<const Slot*, SlotKey>;
@@ -55,7 +55,7 @@ void PruneLocked(Clock::time_point now) {
       // freed heap memory (glibc then aborts somewhere else, much later).
       const std::shared_ptr<Slot> keep = it->second;
       Slot& s = *keep;
-      std::lock_guard<std::mutex> lock(s.mu);
+      std::lock_guard<SpinLock> lock(s.mu);
       bool stale = s.aborted && now - s.aborted_at > std::chrono::seconds(60);
       if (stale) g_slot_keys.erase(&s);
       it = stale ? g_slots.erase(it) : std::next(it);
@@ -87,7 +87,11 @@ void AbortLocked(Slot& s, const std::string& why) {
 
 // Slots waiting for ranks, checked by the watchdog.
 std::vector<std::shared_ptr<Slot>>& g_pending = *new std::vector<std::shared_ptr<Slot>>;  // guarded by g_mu
-std::condition_variable& g_watchdog_cv = *new std::condition_variable;
+std::condition_variable_any& g_watchdog_cv = *new std::condition_variable_any;
+// When the watchdog wakes next (guarded by g_mu): a new slot wakes it only
+// if its deadline comes sooner, which with one timeout for all is almost
+// never, so an op does not pay a wake-up of the watchdog thread.
+Clock::time_point g_watchdog_wake = Clock::time_point::min();
 std::once_flag g_watchdog_once;
 
 // Where the ranks missing from `s` are instead: the other slots of the same
@@ -102,7 +106,7 @@ std::string ElsewhereLocked(Slot& s) {
   for (auto it = lo; it != g_slots.end() && std::get<0>(it->first) == s.run_id; ++it) {
     Slot& o = *it->second;
     if (&o == &s || std::get<2>(it->first) != s.group_id || o.n != s.n) continue;
-    std::lock_guard<std::mutex> lock(o.mu);
+    std::lock_guard<SpinLock> lock(o.mu);
     std::vector<char> there(s.n, 0);
     bool any = false;
     for (int r = 0; r < s.n; ++r) {
@@ -149,7 +153,7 @@ void Finish(std::vector<Completion> completions, const Status& st) {
 }
 
 void WatchdogLoop() {
-  std::unique_lock<std::mutex> lock(g_mu);
+  std::unique_lock<SpinLock> lock(g_mu);
   for (;;) {
     Clock::time_point now = Clock::now(), next = now + std::chrono::seconds(1);
     std::vector<std::pair<std::vector<Completion>, std::string>> expired;
@@ -158,7 +162,7 @@ void WatchdogLoop() {
       // the unlock (see PruneLocked).
       const std::shared_ptr<Slot> keep = *it;
       Slot& s = *keep;
-      std::lock_guard<std::mutex> slock(s.mu);
+      std::lock_guard<SpinLock> slock(s.mu);
       if (s.arrived == s.n || s.aborted) {
         it = g_pending.erase(it);
         continue;
@@ -178,12 +182,22 @@ void WatchdogLoop() {
       lock.lock();
       continue;
     }
+    g_watchdog_wake = next;
     g_watchdog_cv.wait_until(lock, next);
   }
 }
 
 void EraseSlot(const Slot* slot) {
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<SpinLock> lock(g_mu);
+  // Off the watchdog's list now: it wakes rarely (see g_watchdog_wake), and a
+  // finished slot left there would keep its buffers' bookkeeping alive until
+  // then. The caller still holds the slot, so this never frees it under g_mu.
+  for (size_t i = g_pending.size(); i-- > 0;) {
+    if (g_pending[i].get() != slot) continue;
+    g_pending[i] = std::move(g_pending.back());
+    g_pending.pop_back();
+    break;
+  }
   auto it = g_slot_keys.find(slot);
   if (it == g_slot_keys.end()) return;
   const auto [run, site, group, iteration] = it->second;
@@ -211,7 +225,7 @@ std::string& g_refuse_why = *new std::string;  // set once, before g_refuse_new
 int64_t AbortPending(const std::string& why, bool refuse_new) {
   std::vector<std::pair<std::vector<Completion>, std::string>> aborted;
   {
-    std::lock_guard<std::mutex> lock(g_mu);
+    std::lock_guard<SpinLock> lock(g_mu);
     if (refuse_new && !g_refuse_new.load()) {
       g_refuse_why = why;
       g_refuse_new.store(true);
@@ -219,7 +233,7 @@ int64_t AbortPending(const std::string& why, bool refuse_new) {
     for (auto it = g_pending.begin(); it != g_pending.end();) {
       const std::shared_ptr<Slot> keep = *it;  // past the unlock (see PruneLocked)
       Slot& s = *keep;
-      std::lock_guard<std::mutex> slock(s.mu);
+      std::lock_guard<SpinLock> slock(s.mu);
       it = g_pending.erase(it);
       if (s.arrived == s.n || s.aborted) continue;
       std::ostringstream os;
@@ -280,12 +294,12 @@ void InstallInterruptHandler() {
   });
 }
 
-void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string signature,
+void JoinAsync(const Participant& who, std::vector<void*> ptrs, Signature signature,
                Completion done, const Starter& start) {
   std::call_once(g_watchdog_once, [] { std::thread(WatchdogLoop).detach(); });
   std::shared_ptr<Slot> slot;
   {
-    std::unique_lock<std::mutex> lock(g_mu);
+    std::unique_lock<SpinLock> lock(g_mu);
     std::string refused;
     if (g_refuse_new.load()) {
       refused = g_refuse_why;
@@ -321,12 +335,15 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string sign
       entry->group_id = who.group_id;
       g_slot_keys[entry.get()] = key;
       g_pending.push_back(entry);
-      g_watchdog_cv.notify_all();
+      if (entry->deadline < g_watchdog_wake) {
+        g_watchdog_wake = entry->deadline;
+        g_watchdog_cv.notify_all();
+      }
     }
     slot = entry;
   }
   Slot& s = *slot;
-  std::unique_lock<std::mutex> lock(s.mu);
+  std::unique_lock<SpinLock> lock(s.mu);
   auto prefix = [&] {
     std::ostringstream os;
     os << who.opname << " (call site " << who.site_id << ", group " << who.group_id << ", rank "
@@ -356,14 +373,15 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string sign
   if (++s.arrived < s.n) return;
 
   // Last one in: the group is complete.
-  std::ostringstream bad;
-  for (int r = 1; r < s.n; ++r)
-    if (s.signatures[r] != s.signatures[0]) bad << "\n  rank " << r << ": " << s.signatures[r];
   Status st;
-  if (!bad.str().empty()) {
+  bool agree = true;
+  for (int r = 1; r < s.n; ++r) agree = agree && s.signatures[r].hash == s.signatures[0].hash;
+  if (!agree) {
     std::ostringstream os;
     os << who.opname << " (call site " << who.site_id << ", group " << who.group_id
-       << "): ranks disagree on the op.\n  rank 0: " << s.signatures[0] << bad.str();
+       << "): ranks disagree on the op.\n  rank 0: " << s.signatures[0].describe();
+    for (int r = 1; r < s.n; ++r)
+      if (s.signatures[r].hash != s.signatures[0].hash) os << "\n  rank " << r << ": " << s.signatures[r].describe();
     st = Status::Error(os.str());
   }
   std::shared_ptr<Job> job;
@@ -391,11 +409,18 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string sign
   Submit(std::move(job), /*help=*/true);
 }
 
+Signature Signature::Of(std::string text) {
+  Signature sig;
+  sig.hash = SignatureHasher().Add(text.data(), text.size()).hash();
+  sig.describe = [text = std::move(text)] { return text; };
+  return sig;
+}
+
 int64_t LiveSlotCount() {
-  std::lock_guard<std::mutex> lock(g_mu);
+  std::lock_guard<SpinLock> lock(g_mu);
   int64_t live = 0;
   for (auto& kv : g_slots) {
-    std::lock_guard<std::mutex> slock(kv.second->mu);
+    std::lock_guard<SpinLock> slock(kv.second->mu);
     if (!kv.second->aborted) live++;
   }
   return live;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "executor.h"
+#include "spin_lock.h"
 #include "status.h"
 
 namespace strata {
@@ -51,16 +52,42 @@ inline Participant CallSite::As(const char* opname, int32_t group_size) const {
   return who;
 }
 
+// What every rank of a group must agree on. Ranks compare the hash as they
+// arrive; the description is built only to report a mismatch (formatting it
+// on every call cost each rank microseconds, 384 times per op).
+struct Signature {
+  uint64_t hash = 0;
+  std::function<std::string()> describe;
+  // A signature that is its own description (ops whose text is cheap).
+  static Signature Of(std::string text);
+};
+
+// FNV-1a over the fields that make up a signature.
+class SignatureHasher {
+ public:
+  SignatureHasher& Add(const void* data, size_t len) {
+    const auto* b = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < len; ++i) h_ = (h_ ^ b[i]) * 1099511628211ull;
+    return *this;
+  }
+  template <typename T>
+  SignatureHasher& Add(const T& v) { return Add(&v, sizeof(v)); }
+  uint64_t hash() const { return h_; }
+
+ private:
+  uint64_t h_ = 14695981039346656037ull;
+};
+
 struct Slot {
   explicit Slot(int n) : n(n), present(n, 0), ptrs(n), devices(n, -1), signatures(n) {}
 
   const int n;
-  std::mutex mu;
+  SpinLock mu;
   int arrived = 0;
   std::vector<char> present;
   std::vector<std::vector<void*>> ptrs;  // what each rank published
   std::vector<int32_t> devices;
-  std::vector<std::string> signatures;
+  std::vector<Signature> signatures;
   bool aborted = false;
   std::string error;
   std::chrono::steady_clock::time_point aborted_at;
@@ -89,7 +116,7 @@ using Starter = std::function<Status(Slot& slot, std::shared_ptr<Job>* job)>;
 // or with the error (ranks disagree, a peer never arrived within
 // who.timeout_s, the starter failed). A watchdog thread enforces timeouts,
 // so no thread ever waits for a peer.
-void JoinAsync(const Participant& who, std::vector<void*> ptrs, std::string signature,
+void JoinAsync(const Participant& who, std::vector<void*> ptrs, Signature signature,
                Completion done, const Starter& start);
 
 // Live (not aborted) slots: 0 once every op has finished.

@@ -29,6 +29,17 @@ std::string MoeParams::Describe(const char* opname) const {
   return os.str();
 }
 
+Signature MoeParams::Sign(const char* opname) const {
+  SignatureHasher h;
+  h.Add(opname, std::strlen(opname));
+  h.Add(group_size).Add(num_experts).Add(capacity).Add(tokens).Add(topk).Add(hidden).Add(dtype);
+  h.Add(cores).Add(engines).Add(mode).Add(comm_buffer_bytes);
+  Signature sig;
+  sig.hash = h.hash();
+  sig.describe = [p = *this, opname] { return p.Describe(opname); };
+  return sig;
+}
+
 int64_t ExpertIds::At(int64_t i) const {
   switch (dtype) {
     case DType::S64: return static_cast<const int64_t*>(data)[i];
@@ -446,7 +457,7 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
     state.reset();
     done(out);
   };
-  JoinAsync(c.As(opname, p.group_size), std::move(ptrs), Signature::Of(p.Describe(opname)), std::move(finish),
+  JoinAsync(c.As(opname, p.group_size), std::move(ptrs), p.Sign(opname), std::move(finish),
             start);
 }
 

@@ -18,6 +18,7 @@
 
 #include "../runtime/collective.h"
 #include "../runtime/dtypes.h"
+#include "../runtime/rendezvous.h"
 #include "../runtime/status.h"
 
 namespace strata {
@@ -39,6 +40,7 @@ struct MoeParams {
   int64_t local_experts() const { return num_experts / group_size; }
   int64_t row_bytes() const { return hidden * static_cast<int64_t>(DTypeSize(dtype)); }
   std::string Describe(const char* opname) const;
+  Signature Sign(const char* opname) const;  // compared at rendezvous; Describe on mismatch
 };
 
 // The runtime's MoE work unit: about this many bytes per task (the

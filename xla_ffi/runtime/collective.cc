@@ -56,12 +56,14 @@ Signature OpParams::Sign() const {
 }
 
 std::string OpParams::PlanKey() const {
-  std::ostringstream os;
-  os << static_cast<int>(kind) << '/' << static_cast<int>(dtype) << '/' << static_cast<int>(op)
-     << '/' << root << '/' << group_size << '/' << in_blocks << '/' << out_blocks << '/'
-     << block_bytes << '/' << cores << '/' << engines << '/' << static_cast<int>(planner);
-  for (int32_t v : perm) os << ',' << v;
-  return os.str();
+  // Raw bytes, not text: the key is built on every op (a 384-rank ppermute's
+  // pairs formatted as text cost tens of microseconds).
+  std::string key;
+  auto put = [&key](const auto& v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(kind), put(dtype), put(op), put(root), put(group_size), put(in_blocks), put(out_blocks);
+  put(block_bytes), put(cores), put(engines), put(planner);
+  key.append(reinterpret_cast<const char*>(perm.data()), perm.size() * sizeof(int32_t));
+  return key;
 }
 
 void BlockCounts(OpKind kind, int n, int64_t* in_blocks, int64_t* out_blocks) {

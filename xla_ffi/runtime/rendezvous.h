@@ -10,6 +10,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -62,12 +63,19 @@ struct Signature {
   static Signature Of(std::string text);
 };
 
-// FNV-1a over the fields that make up a signature.
+// FNV-1a over the fields that make up a signature, a 64-bit word at a time
+// (a ppermute over 384 ranks signs 3 KB of pairs on every rank).
 class SignatureHasher {
  public:
   SignatureHasher& Add(const void* data, size_t len) {
     const auto* b = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < len; ++i) h_ = (h_ ^ b[i]) * 1099511628211ull;
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+      uint64_t word;
+      std::memcpy(&word, b + i, 8);
+      h_ = (h_ ^ word) * 1099511628211ull;
+    }
+    for (; i < len; ++i) h_ = (h_ ^ b[i]) * 1099511628211ull;
     return *this;
   }
   template <typename T>

@@ -262,3 +262,29 @@ def test_exit_and_sigint_with_a_pending_op_return_quickly(how):
         # depends on where the interpreter notices the signal).
         assert proc.returncode != 0, err[-2000:]
         assert "KeyboardInterrupt" in err or "interrupted (SIGINT)" in err, err[-2000:]
+
+
+# Waiting for a late peer ---------------------------------------------------------------------
+
+def test_ranks_waiting_for_a_late_peer_hand_off_and_it_is_counted(mesh8):
+    """A small op's handlers poll only a bounded while (so a slow peer cannot
+    hold XLA's threads); past it they hand the completion to a thread of the
+    runtime. Rank 0 computes ~tens of ms before the op, so the others give up
+    polling: the result is still exact, and the hand-offs are counted."""
+    x = random_array(np.random.default_rng(9), (8 * 128,), np.float32)
+    m = jnp.asarray(random_array(np.random.default_rng(10), (128, 128), np.float32) / 128)
+
+    def body(v):
+        def slow(u):
+            w = lax.fori_loop(0, 200, lambda i, w: jnp.tanh(m @ w), jnp.outer(u, u))  # ~1 GFLOP
+            return w[0] * 0 + u
+        v = lax.cond(lax.axis_index("x") == 0, slow, lambda u: u, v)
+        return strata.all_reduce(v, "x")
+
+    f = smap(body, mesh8, P("x"), P("x"))
+    f(*place(mesh8, x)).block_until_ready()
+    strata.reset_stats()
+    got = np.asarray(f(*place(mesh8, x)))
+    want = np.tile(x.reshape(8, 128).sum(0, dtype=np.float64), 8)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert strata.stats()["waits_handed_off"] >= 1

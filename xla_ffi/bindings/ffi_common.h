@@ -17,6 +17,7 @@
 #include "../runtime/dtypes.h"
 #include "../runtime/executor.h"
 #include "../runtime/rendezvous.h"
+#include "../runtime/stats.h"
 #include "../runtime/status.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -163,6 +164,7 @@ class BriefWait {
       return Failed(ffi::Error(ffi::ErrorCode::kAborted, state_->status.message));
     }
     state_->detached = true;
+    GlobalStats().waits_handed_off++;
     return ffi::Future(state_->promise);
   }
 

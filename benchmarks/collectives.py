@@ -68,6 +68,7 @@ class OpSpec:
     floor_bytes: Callable[[int, int], int]  # (size per rank, N) -> bytes read + written
     divisible: bool  # per-rank count must be a multiple of N
     out_bytes: Callable[[int, int], int] = lambda s, n: s  # (size per rank, N) -> output per rank
+    one_source: bool = False  # every rank's output comes from one rank's input (the floor's layout)
 
 
 SPECS = {
@@ -80,7 +81,7 @@ SPECS = {
     "all_to_all": OpSpec("all_to_all", False, lambda n: (n - 1) / n, lambda s, n: s,
                          lambda s, n: 2 * n * s, True),
     "broadcast": OpSpec("broadcast", False, lambda n: 1.0, lambda s, n: s,
-                        lambda s, n: s + n * s, False),
+                        lambda s, n: s + n * s, False, one_source=True),
     "ppermute": OpSpec("ppermute", False, lambda n: 1.0, lambda s, n: s,
                        lambda s, n: 2 * n * s, False),
 }
@@ -291,6 +292,7 @@ def _base_rows(op, args, dtype, n, shape, sizes):
                     "root": args.root if op == "broadcast" else -1, "size": nbytes,
                     "count": count, "s_bytes": spec.s_bytes(nbytes, n),
                     "bus_factor": spec.bus_factor(n), "floor_bytes": spec.floor_bytes(nbytes, n),
+                    "one_source": spec.one_source,
                     "out_bytes": spec.out_bytes(nbytes, n)})
     return out
 
@@ -540,7 +542,7 @@ def _time_rounds(base, size_rows, prepared, args, x, mesh, ax, n, strata) -> Non
     for _ in range(max(1, args.repeats)):
         floor_samples.append(common.floor_copy_us(base["floor_bytes"], ranks=n,
                                                   out_bytes=base["out_bytes"],
-                                                  in_bytes=base["size"]))
+                                                  in_bytes=0 if base["one_source"] else base["size"]))
         if launch is not None:
             t, _ = common.time_calls(launch, (x,), iters=args.iters, warmup=args.warmup_iters,
                                      first_call=False, max_seconds=args.max_seconds,

@@ -374,7 +374,8 @@ def floor_copy_us(nbytes_read_plus_written: int, ranks: int = 1, out_bytes: int 
 
     Each of `ranks` ranks fills its whole output (`out_bytes`, the op's per-rank output size;
     at least 1/(2*ranks) of the op's minimal traffic, so the copies move at least half of it)
-    from the op's inputs (`in_bytes` per rank, one touched pool). The outputs are fresh
+    from the op's inputs (`in_bytes` per rank, one touched pool; 0: every rank copies the
+    same input, as a broadcast's ranks all read the root's). The outputs are fresh
     memory, as the op's are: np.empty (malloc, like XLA:CPU's output buffers) for every rank
     and repetition, and the outputs of the last SYNC_EVERY repetitions stay alive, as the
     timed loop keeps that many calls' outputs (at most FLOOR_WINDOW_BYTES). So glibc hands the
@@ -387,7 +388,7 @@ def floor_copy_us(nbytes_read_plus_written: int, ranks: int = 1, out_bytes: int 
     after one window of untimed ones."""
     ranks = max(1, ranks)
     copy = max(1, out_bytes, nbytes_read_plus_written // 2 // ranks)
-    stride = max(1, in_bytes)
+    stride = max(0, in_bytes)  # 0: every rank reads the same source (broadcast)
     pool = _floor_inputs(max(copy, ranks * stride))
     srcs = [pool[o:o + copy] for o in (min(r * stride, pool.size - copy) for r in range(ranks))]
     window = max(1, min(SYNC_EVERY, FLOOR_WINDOW_BYTES // (ranks * copy)))

@@ -8,6 +8,7 @@ jax#7167)."""
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +83,7 @@ def _local(x, group, op, settings):
 # inside the process first, so each process sends 1/n_local of the data over
 # the cross-process link instead of every local rank sending all of it
 # (BENCHMARKS.md, "Several processes").
-HIERARCHICAL_MIN_BYTES = 1 << 18
+HIERARCHICAL_MIN_BYTES = int(os.environ.get("STRATA_XPROC_RS_MIN_BYTES", 1 << 18))
 
 
 def _cross_reduce(x, axes, op, what):

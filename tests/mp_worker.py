@@ -94,6 +94,15 @@ def run_trace():
     f = jax.jit(jax.shard_map(lambda v: strata.all_reduce(v, "npu"), mesh=mesh, in_specs=spec, out_specs=spec))
     x = place(np.ones((nproc * cfg["n_local"], 4), np.float32), NamedSharding(mesh, spec))
     f(x).block_until_ready()
+    # Site ids do not depend on what else a process traced, or in which order.
+    if pid == 1:
+        jax.jit(jax.shard_map(lambda v: strata.all_gather(strata.all_reduce(v, "npu"), "proc", tiled=True),
+                              mesh=mesh, in_specs=spec, out_specs=spec)).lower(x)
+    h = jax.jit(jax.shard_map(lambda v: strata.reduce_scatter(strata.all_reduce(v * 2, ("npu", "proc")), "npu", scatter_dimension=1,
+                                                              tiled=True), mesh=mesh, in_specs=spec, out_specs=spec))
+    import re
+    sites = re.findall(r"site_id = (\d+)", h.lower(x).as_text())
+    print(f"[{pid}] site ids {sites}", flush=True)
     with strata.emulator.trace(os.path.join(cfg["out"], f"trace{pid}.json")) as tr:
         f(x).block_until_ready()
     print(f"[{pid}] traced {[(o.op, o.process, o.devices) for o in tr.ops]}", flush=True)

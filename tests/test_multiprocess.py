@@ -112,6 +112,9 @@ def _run_cases(tmp_path, nproc, n_local, meshes):
     res = launch(nproc, n_local, "cases", tmp_path, meshes=meshes)
     for pid, (rc, so, se, secs) in enumerate(res):
         assert rc == 0, f"process {pid} exit {rc} after {secs:.0f} s\n--- stdout\n{so[-3000:]}\n--- stderr\n{se[-6000:]}"
+    # Every process named the op's call sites alike (process 1 traced another program first).
+    sites = [next(line for line in so.splitlines() if "site ids" in line).split("site ids ")[1] for _, so, _, _ in res]
+    assert len(set(sites)) == 1 and sites[0] != "[]", sites
     total = 0
     for shape, names, per_set, sets in meshes:
         with open(tmp_path / f"{'x'.join(map(str, shape))}-{'-'.join(names)}.pkl", "rb") as f:

@@ -167,7 +167,7 @@ def crosses_at_trace(axes) -> bool:
 def describe(opname, axes, crossing) -> str:
     """What a cross-process step waits for: the op, its axes and, per process,
     the ranks of the group of this process's first device."""
-    names, procs = getattr(_lowering, "grid", ((), None))
+    names, procs = getattr(_lowering, "grid", None) or ((), None)
     where = ""
     if procs is not None and all(a in names for a in axes):
         me = jax.process_index()
@@ -263,7 +263,12 @@ def varying(x, axes):
 
 
 def cross(fn, x, axes, what):
-    """fn(x) over the crossing `axes` (a lax collective), bracketed by marks."""
+    """fn(x) over the crossing `axes` (a lax collective), bracketed by marks
+    that pass the data through (aliased). The data dependency is what orders
+    them: XLA:CPU runs thunks by data flow and drops optimization barriers,
+    so a mark tied by a barrier can run after a collective that already
+    failed. Aliasing is free on temporaries; on an entry parameter (e.g. a
+    ppermute of the op's own input) XLA copies it once."""
     site = stable_site_id("xproc", what)  # one per step of the program, alike in every process
     x = mark(varying(x, axes), 0, site, what)
     y = fn(varying(x, axes))

@@ -81,8 +81,12 @@ def _lower_across(x, group, axis, tiled, settings, local, crossing):
         return _mp.cross(lambda v: lax.all_gather(v, group.axes, axis=axis, tiled=tiled), x, group.axes, what)
     sub = _mp.sub_group(group, local)
     g = _mp.cross(lambda v: lax.all_gather(v, crossing, axis=0, tiled=False), x, crossing, what)  # [nP, ...]
-    g = _local(g, sub, 0, False, settings)  # [nL, nP, ...]
-    g = _mp.from_split_order(g, group.axes, local, crossing)  # [n, ...] in rank order
+    if tuple(group.axes) == tuple(crossing) + tuple(local):  # process-major: no reordering
+        g = _local(g, sub, 1, False, settings)  # [nP, nL, ...]
+        g = g.reshape((group.size,) + g.shape[2:])
+    else:
+        g = _local(g, sub, 0, False, settings)  # [nL, nP, ...]
+        g = _mp.from_split_order(g, group.axes, local, crossing)  # [n, ...] in rank order
     g = jnp.moveaxis(g, 0, axis)
     if not tiled:
         return g

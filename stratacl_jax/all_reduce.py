@@ -79,11 +79,14 @@ def _local(x, group, op, settings):
     return y.reshape(x.shape)
 
 
-# From this many bytes, a sum over axes that cross processes reduce-scatters
-# inside the process first, so each process sends 1/n_local of the data over
-# the cross-process link instead of every local rank sending all of it
-# (BENCHMARKS.md, "Several processes").
-HIERARCHICAL_MIN_BYTES = int(os.environ.get("STRATA_XPROC_RS_MIN_BYTES", 1 << 18))
+# From this many bytes (when the elements divide by the local group), a
+# reduction over axes that cross processes reduce-scatters inside the process
+# first, so each local rank sends 1/n_local of the data over the cross-process
+# link instead of all of it, and all-gathers the result back. Measured on 2
+# processes x 4 devices it beat "local all_reduce, then the cross-process one"
+# at every size from 4 KiB to 4 MiB per rank (1.3-2.1x; BENCHMARKS.md,
+# "Several processes"), so it is always on; the variable is for measuring.
+HIERARCHICAL_MIN_BYTES = int(os.environ.get("STRATA_XPROC_RS_MIN_BYTES", 0))
 
 
 def _cross_reduce(x, axes, op, what):

@@ -110,6 +110,13 @@ def _lead_across(flat, group, settings, local, crossing):
     if not local:
         return _mp.cross(lambda v: lax.all_to_all(v, group.axes, 0, 0, tiled=True), flat, group.axes, what)
     sub = _mp.sub_group(group, local)
+    n, m = flat.shape
+    if tuple(group.axes) == tuple(crossing) + tuple(local):
+        # Process-major ranks: each stage works on its own dim, nothing is reordered.
+        blocks = flat.reshape(n // sub.size, sub.size, m)  # [nP, nL, m]
+        blocks = _mp.cross(lambda v: lax.all_to_all(v, crossing, 0, 0, tiled=True), blocks, crossing, what)
+        got = _ffi.call("strata_all_to_all", sub, blocks, blocks.shape, block_elems=m, settings=settings)
+        return got.reshape(n, m)
     blocks = _mp.to_split_order(flat, group.axes, local, crossing)  # [nL, nP, m]
     n_local, n_cross, m = blocks.shape
     blocks = _mp.cross(lambda v: lax.all_to_all(v, crossing, 1, 1, tiled=True), blocks, crossing, what)

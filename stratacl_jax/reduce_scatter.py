@@ -99,8 +99,13 @@ def _lower_across(x, group, dim, tiled, op, settings, local, crossing):
     blocks = jnp.moveaxis(xs, dim, 0)  # [n, ...rest]: block r for rank r
     if not local:
         return _cross_scatter(blocks, group.axes, op, what)
-    blocks = _mp.to_split_order(blocks, group.axes, local, crossing)  # [nL, nP, ...]
-    mine = _local(blocks, _mp.sub_group(group, local), 0, False, op, settings)  # [nP, ...]
+    sub = _mp.sub_group(group, local)
+    if tuple(group.axes) == tuple(crossing) + tuple(local):  # process-major: no reordering
+        blocks = blocks.reshape((group.size // sub.size, sub.size) + blocks.shape[1:])  # [nP, nL, ...]
+        mine = _local(blocks, sub, 1, False, op, settings)  # [nP, ...]
+    else:
+        blocks = _mp.to_split_order(blocks, group.axes, local, crossing)  # [nL, nP, ...]
+        mine = _local(blocks, sub, 0, False, op, settings)  # [nP, ...]
     return _cross_scatter(mine, crossing, op, what)
 
 

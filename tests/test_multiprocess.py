@@ -162,3 +162,17 @@ def test_stalled_peer_times_out_naming_the_op(tmp_path):
     assert rc == 75, f"exit {rc}\n{so}\n{err[-4000:]}"
     assert "strata.all_reduce over ('proc',)" in err and "did not complete it within" in err, err[-4000:]
     assert after_s < 20, f"took {after_s:.1f} s to report"
+
+
+def test_benchmark_cli_across_processes(tmp_path):
+    """python -m benchmarks collectives --processes 2: the sweep across processes runs."""
+    root = os.path.dirname(HERE)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "collectives", "--processes", "2", "--sizes", "4K",
+                           "--op", "all_reduce,all_to_all", "-n", "1", "-w", "1", "--repeats", "1", "--out",
+                           str(tmp_path)], cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
+    assert "2 procs x 4 strata (us)" in proc.stdout and "| all_to_all | 4096 |" in proc.stdout, proc.stdout
+    rows = json.load(open(tmp_path / "collectives.json"))["rows"]
+    assert len(rows) == 2 and all(r["2 procs x 4 strata"] > 0 for r in rows)

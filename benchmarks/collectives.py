@@ -230,6 +230,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     common.add_timing_args(p)
     p.add_argument("--isolate", default="auto", choices=("auto", "on", "off"),
                    help="run each op and impl in a child process (auto: when N > 64)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run over a mesh spanning this many processes on this machine (jax.distributed), "
+                        "next to one process and lax (benchmarks/multiprocess.py)")
+    p.add_argument("--local-devices", type=int, default=None,
+                   help="with --processes: devices per process (default: --npus / --processes)")
     p.add_argument("--child-timeout", type=float, default=1800, help=argparse.SUPPRESS)
     p.add_argument("--rows-jsonl", default=None, help=argparse.SUPPRESS)  # child -> parent
     modeled.add_model_args(p, npus_default="8,32,384", sizes=True)
@@ -273,6 +278,8 @@ def isolated(args) -> bool:
     """Run each (op, impl) in a child process? XLA:CPU aborts the whole process when a
     rendezvous times out (seen: lax.all_to_all at 384 devices on 2 cores), so at large N a
     crash must cost one table cell, not the sweep."""
+    if getattr(args, "processes", 1) > 1:
+        return True  # the worker processes set up their own devices
     if args.isolate == "auto":
         return npus_and_mesh(args)[0] > 64
     return args.isolate == "on"
@@ -298,6 +305,12 @@ def _base_rows(op, args, dtype, n, shape, sizes):
 
 
 def run(args) -> Report:
+    if getattr(args, "processes", 1) > 1:
+        from . import multiprocess
+
+        if args.local_devices is None:
+            args.local_devices = max(1, (args.npus or 8) // args.processes)
+        return multiprocess.run(args)
     import jax
 
     dtype = DTYPE_ALIASES.get(args.datatype, args.datatype)
@@ -667,6 +680,8 @@ def plot(report: Report, path: str) -> None:
     if report.params.get("model_only"):
         return modeled.plot_collectives(report, path)
     plt = common.pyplot()
+    if report.params.get("processes"):
+        return  # the multi-process table has no plot
     rows = [r for r in report.rows if r["status"] == "ok"]
     ops = [o for o in report.params["ops"] if any(r["op"] == o for r in rows)]
     if not ops:

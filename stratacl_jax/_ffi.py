@@ -5,7 +5,6 @@ issue the FFI custom call with the attributes the C++ runtime needs."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Sequence
 
@@ -19,6 +18,7 @@ from jax.sharding import AxisType
 
 from . import _config
 from . import _core
+from . import _multiprocess
 
 # Register every handler once, for the CPU platform (emulated NPUs are CPU devices).
 # The state type first: each target's instantiate stage gives every custom-call
@@ -45,14 +45,14 @@ SUPPORTED_DTYPES = tuple(
               "int64", "uint8", "uint32", "bool")
 )
 
-# Call-site ids: each lowered op gets its own, so the runtime never confuses
-# two collectives that XLA runs concurrently in one program.
-_site_ids = itertools.count(1)
-
-
-def next_site_id() -> int:
-    """The id of a new call site (the runtime's rendezvous key)."""
-    return next(_site_ids)
+def next_site_id(*parts) -> int:
+    """The id of a call site (named in errors and traces): a stable hash of
+    what the op is (`parts`: target, axes, shapes, dtypes, static arguments)
+    and where the user called it, so every process names one op alike, in
+    whatever order each traced its programs. Two instructions with one id
+    (the same op at the same place, e.g. both branches of a cond) are told
+    apart by their FFI instance, which is what ranks meet by."""
+    return _multiprocess.stable_site_id(*parts)
 
 
 def normalize_axes(axis_name) -> tuple:
@@ -127,12 +127,22 @@ class Group(GroupSpec):
         if len(set(axes)) != len(axes):
             raise ValueError(f"{opname}: axis names repeat in {axes!r}")
         shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        # num_devices sizes the check of XLA's thread pool (CheckPool): each
+        # process's pool serves only its own devices of the mesh.
         super().__init__(axes, math.prod(shape[a] for a in axes), tuple(a for a in manual if a not in axes),
-                         mesh.size)
+                         local_mesh_devices(mesh.size))
         object.__setattr__(self, "opname", opname)
 
     def spec(self) -> GroupSpec:
         return GroupSpec(self.axes, self.size, self.others, self.num_devices)
+
+
+def local_mesh_devices(mesh_size: int) -> int:
+    """Devices of a mesh of `mesh_size` that run in this process (all of
+    them with one process)."""
+    if _multiprocess.process_count() <= 1:
+        return mesh_size
+    return min(mesh_size, jax.local_device_count())
 
 
 def varying_axes(x) -> frozenset:
@@ -181,7 +191,8 @@ def call(target: str, group, x, out_shape, *, block_elems: int, out_vma: frozens
     y = fn(
         x,
         group.meta(),
-        site_id=np.int64(next_site_id()),
+        site_id=np.int64(next_site_id(target, group.axes, group.others, x.shape, x.dtype, tuple(out_shape),
+                                      reduce_op, root, tuple(perm))),
         reduce_op=np.int32(reduce_op),
         root=np.int32(root),
         perm=np.asarray(perm, dtype=np.int32).reshape(-1),
@@ -210,7 +221,15 @@ def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batc
     `transpose(ct, *operands, **params)` is its transpose."""
     p = Primitive(name)
     p.def_abstract_eval(abstract_eval)
-    mlir.register_lowering(p, mlir.lower_fun(lower, multiple_results=False), platform="cpu")
+    lowered = mlir.lower_fun(lower, multiple_results=False)
+
+    def rule(ctx, *args, **params):
+        # The mesh's process layout and the op's source location, for ops
+        # whose group crosses processes (_multiprocess.split) and site ids.
+        with _multiprocess.lowering(ctx):
+            return lowered(ctx, *args, **params)
+
+    mlir.register_lowering(p, rule, platform="cpu")
     if jvp is None:
         ad.deflinear2(p, transpose)
     else:

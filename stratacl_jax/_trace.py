@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _core
+from . import _multiprocess
 from ._model import COLLECTIVES, DTYPE_CODE, MODES, model
 
 _DTYPE_NAME = {v: k for k, v in DTYPE_CODE.items()}
@@ -31,6 +32,36 @@ _MOE_NAME = {1: "moe_dispatch", 2: "moe_combine", 3: "moe_combine_backward"}
 _PHASE_NAME = {0: "exchange", 1: "stage in", 2: "stage out"}
 _active_lock = threading.Lock()
 _active: list["Trace"] = []
+
+def _process() -> int:
+    return jax_process_index() if _multiprocess.process_count() > 1 else 0
+
+
+def jax_process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def npu_of(local_device: int) -> int:
+    """The emulated NPU a local device is: with several processes, process p's
+    device d is NPU p * (devices per process) + d (make_mesh's process-major
+    order), so ranks are named by process and placed on the preset alike."""
+    if _multiprocess.process_count() <= 1:
+        return int(local_device)
+    import jax
+
+    return jax.process_index() * jax.local_device_count() + int(local_device)
+
+
+def npu_name(npu: int) -> str:
+    if _multiprocess.process_count() <= 1:
+        return f"NPU {npu}"
+    import jax
+
+    per = jax.local_device_count()
+    return f"NPU {npu} (process {npu // per}, device {npu % per})"
+
 
 # Trace process ids: the host view, then one per modeled NPU.
 HOST_PID = 1
@@ -48,7 +79,7 @@ class OpRecord:
     dtype: str
     host_us: float                    # first arrival to last end, on this host
     modeled_us: dict                  # mode -> modeled time on the preset
-    devices: list                     # rank -> JAX device id
+    devices: list                     # rank -> emulated NPU: process_index * local devices + local device
     arrive_us: list                   # per rank, relative to the trace start
     end_us: list
     last_to_arrive: int               # rank
@@ -57,6 +88,7 @@ class OpRecord:
     ok: bool = True
     modeled_busbw_gbps: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict, repr=False)
+    process: int = 0                  # the process that ran (and recorded) it
 
     @property
     def wait_us(self) -> float:
@@ -127,7 +159,7 @@ class Trace:
     def _record(self, members: list) -> OpRecord:
         first = members[0]
         members = sorted(members, key=lambda r: r["rank"])
-        devices = [r["device"] for r in members]
+        devices = [npu_of(r["device"]) for r in members]
         arrive = [r["arrive_us"] - self._t0 for r in members]
         end = [r["end_us"] - self._t0 for r in members]
         mode = MODES[first["mode"]]
@@ -155,7 +187,7 @@ class Trace:
                        host_us=max(end) - min(arrive), modeled_us={}, devices=devices,
                        arrive_us=arrive, end_us=end, last_to_arrive=int(np.argmax(arrive)),
                        site_id=first["site_id"], group_id=first["group_id"],
-                       ok=all(r["ok"] for r in members), params=params)
+                       ok=all(r["ok"] for r in members), params=params, process=_process())
         for m in MODES:
             try:
                 res = self._model(rec, m)
@@ -218,7 +250,7 @@ class Trace:
                 else:
                     ends[slot] = e
                 tid = d * 16 + min(slot, 15)
-                host_tid.setdefault(tid, f"NPU {d}" + (f" (concurrent {slot})" if slot else ""))
+                host_tid.setdefault(tid, npu_name(d) + (f" (concurrent {slot})" if slot else ""))
                 last = o.arrive_us[o.last_to_arrive]
                 ev.append({"ph": "X", "name": o.op, "pid": HOST_PID, "tid": tid, "ts": a, "dur": e - a,
                            "args": {"rank": rank, "group_size": o.group_size, "bytes_per_rank": o.bytes_per_rank,
@@ -233,7 +265,7 @@ class Trace:
                     ev.append({"ph": "i", "s": "t", "name": "last to arrive", "pid": HOST_PID, "tid": tid,
                                "ts": a, "args": {"op": o.op, "rank": rank}})
         for d in devices:
-            host_tid.setdefault(d * 16, f"NPU {d}")
+            host_tid.setdefault(d * 16, npu_name(d))
         for tid, name in sorted(host_tid.items()):
             meta(HOST_PID, tid, "thread_name", name)
 
@@ -242,7 +274,7 @@ class Trace:
         engines = max([o.params["engines"] for o in self.ops] or [1])
         for d in devices:
             pid = MODEL_PID_BASE + d
-            meta(pid, 0, "process_name", f"NPU {d} (modeled on {self.spec.name})")
+            meta(pid, 0, "process_name", f"{npu_name(d)} (modeled on {self.spec.name})")
             meta(pid, 0, "thread_name", "ops")
             for c in range(cores):
                 meta(pid, 1 + c, "thread_name", f"vector core {c}")

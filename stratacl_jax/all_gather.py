@@ -13,6 +13,7 @@ from jax import lax
 
 from . import _config
 from . import _ffi
+from . import _multiprocess as _mp
 
 OPNAME = "strata.all_gather"
 _TO = ("varying", "invarying")
@@ -65,6 +66,34 @@ def _abstract_eval(x, *, group, axis, tiled, invariant, settings):
 
 
 def _lower(x, *, group, axis, tiled, invariant, settings):
+    parts = _mp.split(group.axes)
+    if parts is not None:
+        return _lower_across(x, group, axis, tiled, settings, *parts)
+    return _local(x, group, axis, tiled, settings)
+
+
+def _lower_across(x, group, axis, tiled, settings, local, crossing):
+    """Across processes: XLA's all_gather over the crossing axes first (each
+    rank's block crosses the link once), then strata's over the local ones;
+    blocks are then put in the rank order of group.axes."""
+    what = _mp.describe(OPNAME, group.axes, crossing)
+    if not local:
+        return _mp.cross(lambda v: lax.all_gather(v, group.axes, axis=axis, tiled=tiled), x, group.axes, what)
+    sub = _mp.sub_group(group, local)
+    g = _mp.cross(lambda v: lax.all_gather(v, crossing, axis=0, tiled=False), x, crossing, what)  # [nP, ...]
+    if tuple(group.axes) == tuple(crossing) + tuple(local):  # process-major: no reordering
+        g = _local(g, sub, 1, False, settings)  # [nP, nL, ...]
+        g = g.reshape((group.size,) + g.shape[2:])
+    else:
+        g = _local(g, sub, 0, False, settings)  # [nL, nP, ...]
+        g = _mp.from_split_order(g, group.axes, local, crossing)  # [n, ...] in rank order
+    g = jnp.moveaxis(g, 0, axis)
+    if not tiled:
+        return g
+    return g.reshape(g.shape[:axis] + (g.shape[axis] * g.shape[axis + 1],) + g.shape[axis + 2:])
+
+
+def _local(x, group, axis, tiled, settings):
     # The runtime gathers [rows, 1, block] into [rows, n, block]: rows are the
     # dimensions before `axis`, so no axis ever has to move.
     block = math.prod(x.shape[axis:])

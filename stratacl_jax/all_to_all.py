@@ -12,6 +12,7 @@ from jax import lax
 
 from . import _config
 from . import _ffi
+from . import _multiprocess as _mp
 
 OPNAME = "strata.all_to_all"
 
@@ -72,6 +73,17 @@ def _abstract_eval(x, *, group, split, concat, tiled, settings):
 
 def _lower(x, *, group, split, concat, tiled, settings):
     n, s, c = group.size, split, concat
+    parts = _mp.split(group.axes)
+    if parts is not None:
+        split_x = x.reshape(x.shape[:s] + (n, x.shape[s] // n) + x.shape[s + 1:]) if tiled else x
+        blocks = jnp.moveaxis(split_x, s, 0)
+        chunk_shape = blocks.shape[1:]
+        out = _lead_across(blocks.reshape(n, -1), group, settings, *parts)
+        received = jnp.moveaxis(out.reshape((n,) + chunk_shape), 0, c)
+        if not tiled:
+            return received
+        shape = received.shape
+        return received.reshape(shape[:c] + (n * shape[c + 1],) + shape[c + 2:])
     if s == c:
         # [rows, n, block] -> [rows, n, block], rows = the dimensions before
         # the axis: nothing moves.
@@ -88,6 +100,30 @@ def _lower(x, *, group, split, concat, tiled, settings):
         return received
     shape = received.shape
     return received.reshape(shape[:c] + (n * shape[c + 1],) + shape[c + 2:])
+
+
+def _lead_across(flat, group, settings, local, crossing):
+    """flat [n, m]: row j for rank j -> row i from rank i, over axes that cross
+    processes: XLA's all_to_all over the crossing axes, then strata's over the
+    local ones, the rows put in the rank order of group.axes."""
+    what = _mp.describe(OPNAME, group.axes, crossing)
+    if not local:
+        return _mp.cross(lambda v: lax.all_to_all(v, group.axes, 0, 0, tiled=True), flat, group.axes, what)
+    sub = _mp.sub_group(group, local)
+    n, m = flat.shape
+    if tuple(group.axes) == tuple(crossing) + tuple(local):
+        # Process-major ranks: each stage works on its own dim, nothing is reordered.
+        blocks = flat.reshape(n // sub.size, sub.size, m)  # [nP, nL, m]
+        blocks = _mp.cross(lambda v: lax.all_to_all(v, crossing, 0, 0, tiled=True), blocks, crossing, what)
+        got = _ffi.call("strata_all_to_all", sub, blocks, blocks.shape, block_elems=m, settings=settings)
+        return got.reshape(n, m)
+    blocks = _mp.to_split_order(flat, group.axes, local, crossing)  # [nL, nP, m]
+    n_local, n_cross, m = blocks.shape
+    blocks = _mp.cross(lambda v: lax.all_to_all(v, crossing, 1, 1, tiled=True), blocks, crossing, what)
+    flat_local = blocks.reshape(n_local, n_cross * m)
+    got = _ffi.call("strata_all_to_all", sub, flat_local, flat_local.shape, block_elems=n_cross * m,
+                    settings=settings)
+    return _mp.from_split_order(got.reshape(n_local, n_cross, m), group.axes, local, crossing)
 
 
 def _transpose(ct, x, *, group, split, concat, tiled, settings):

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _config
 from . import _ffi
+from . import _multiprocess as _mp
 
 OPNAME = "strata.broadcast"
 
@@ -43,7 +45,29 @@ def _abstract_eval(x, *, group, root, settings):
 
 
 def _lower(x, *, group, root, settings):
+    parts = _mp.split(group.axes)
+    if parts is not None:
+        return _lower_across(x, group, root, settings, *parts)
     return _ffi.call("strata_broadcast", group, x, x.shape, block_elems=x.size, root=root, settings=settings)
+
+
+def _lower_across(x, group, root, settings, local, crossing):
+    """Across processes: strata broadcasts inside each process from the rank
+    with the root's local coordinates, then every rank takes the root
+    process-rank's value from XLA's all_gather over the crossing axes (exact
+    for every dtype: nothing is added)."""
+    what = _mp.describe(OPNAME, group.axes, crossing)
+    coords = dict(zip(group.axes, np.unravel_index(root, _mp.sizes(group.axes))))
+
+    def rank_in(axes):
+        return int(np.ravel_multi_index([coords[a] for a in axes], _mp.sizes(axes))) if axes else 0
+
+    if local:
+        sub = _mp.sub_group(group, local)
+        x = _ffi.call("strata_broadcast", sub, x, x.shape, block_elems=x.size, root=rank_in(local),
+                      settings=settings)
+    src = rank_in(crossing)
+    return _mp.cross(lambda v: lax.all_gather(v, crossing, axis=0)[src], x, crossing, what)
 
 
 def _transpose(ct, x, *, group, root, settings):

@@ -23,6 +23,7 @@ import numpy as np
 from jax._src import xla_bridge
 from jax.sharding import AxisType, Mesh
 
+from . import _multiprocess
 from . import _runtime_setup
 
 
@@ -147,11 +148,14 @@ def preset(name) -> SupernodeSpec:
 
 
 def ensure_devices(n: int) -> None:
-    """Asks JAX for `n` CPU devices (emulated NPUs) and sizes XLA's thread pool.
+    """Asks JAX for `n` CPU devices (emulated NPUs) in this process and sizes
+    XLA's thread pool.
 
-    Must run before JAX's backend starts; afterwards it only checks."""
+    Must run before JAX's backend starts (and, with several processes, before
+    jax.distributed.initialize: each process then gets `n`, and make_mesh
+    spans all of them); afterwards it only checks."""
     if xla_bridge.backends_are_initialized():
-        have = len(jax.devices("cpu"))
+        have = len(jax.local_devices(backend="cpu"))
         if have < n:
             raise RuntimeError(
                 f"strata.emulator.ensure_devices({n}): JAX already started with {have} CPU devices. "
@@ -165,14 +169,26 @@ def ensure_devices(n: int) -> None:
 
 def make_mesh(shape, axis_names, *, devices=None) -> Mesh:
     """A mesh of emulated NPUs (the first prod(shape) CPU devices), with Auto
-    axis types so jit and shard_map take plain arrays."""
+    axis types so jit and shard_map take plain arrays.
+
+    After jax.distributed.initialize the devices are every process's, in
+    process-major order (process 0's first), so a leading axis of size
+    num_processes is the process axis and the axes after it stay inside a
+    process; every strata op works over any of the axes (README, "Several
+    processes")."""
     shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     axis_names = tuple(axis_names) if isinstance(axis_names, (tuple, list)) else (axis_names,)
     if len(shape) != len(axis_names):
         raise ValueError(f"make_mesh: shape {shape} and axis_names {axis_names} differ in length")
     need = math.prod(shape)
     if devices is None:
-        have = jax.devices("cpu")
+        have = sorted(jax.devices("cpu"), key=lambda d: (d.process_index, d.id))
+        if len(have) < need and _multiprocess.process_count() > 1:
+            raise RuntimeError(
+                f"make_mesh{shape}: needs {need} emulated NPUs but the {_multiprocess.process_count()} "
+                f"processes have {len(have)} CPU devices in all ({jax.local_device_count()} here). Call "
+                f"strata.emulator.ensure_devices(n_local) in every process before jax.distributed.initialize, "
+                f"with n_local * num_processes >= {need}.")
         if len(have) < need:
             raise RuntimeError(
                 f"make_mesh{shape}: needs {need} emulated NPUs but JAX has {len(have)} CPU devices. "
@@ -181,7 +197,9 @@ def make_mesh(shape, axis_names, *, devices=None) -> Mesh:
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={need}.")
         devices = have[:need]
     grid = np.asarray(devices, dtype=object).reshape(shape)
-    return Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(shape))
+    mesh = Mesh(grid, axis_names, axis_types=(AxisType.Auto,) * len(shape))
+    _multiprocess.remember_mesh(mesh)
+    return mesh
 
 
 from ._model import ModeledOp, model  # noqa: E402

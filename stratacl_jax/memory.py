@@ -15,12 +15,13 @@ import numpy as np
 from jax.sharding import Sharding
 
 from . import _core
+from ._multiprocess import local_device_index
 
 
 def _block(device, shape, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = _core.arena_buffer(int(device.id), nbytes)  # owns the block
+    raw = _core.arena_buffer(local_device_index(device), nbytes)  # owns the block
     return raw.view(dtype).reshape(shape)
 
 
@@ -54,11 +55,12 @@ def empty(shape, dtype, sharding: Sharding) -> jax.Array:
 
 def arena_info(device) -> dict:
     """chunks, bytes_reserved, bytes_in_use, live_blocks, allocations."""
-    return dict(_core.arena_info(int(getattr(device, "id", device))))
+    index = local_device_index(device) if hasattr(device, "id") else int(device)
+    return dict(_core.arena_info(index))
 
 
 def is_registered(array: jax.Array) -> bool:
     """True when every shard of `array` lies in registered fabric memory."""
     return all(
-        _core.region_registered(int(s.device.id), s.data.unsafe_buffer_pointer(), max(1, s.data.nbytes))
+        _core.region_registered(local_device_index(s.device), s.data.unsafe_buffer_pointer(), max(1, s.data.nbytes))
         for s in array.addressable_shards)

@@ -10,6 +10,7 @@ from jax import lax
 
 from . import _config
 from . import _ffi
+from . import _multiprocess as _mp
 
 OPNAME = "strata.ppermute"
 
@@ -55,6 +56,16 @@ def _abstract_eval(x, *, group, pairs, settings):
 
 
 def _lower(x, *, group, pairs, settings):
+    parts = _mp.split(group.axes)
+    if parts is not None:
+        # A permutation whose pairs cross processes is XLA's collective-permute
+        # over the whole group (one step, each block sent once).
+        # lax.ppermute numbers the ranks of an axis tuple in mesh order (its
+        # other collectives, and strata, in the order given): renumber.
+        what = _mp.describe(OPNAME, group.axes, parts[1])
+        order = _mp.mesh_order(group.axes)
+        perm = [(_mp.rank_in_order(s, group.axes, order), _mp.rank_in_order(d, group.axes, order)) for s, d in pairs]
+        return _mp.cross(lambda v: lax.ppermute(v, order, perm=perm), x, group.axes, what)
     return _ffi.call("strata_ppermute", group, x, x.shape, block_elems=x.size,
                      perm=[v for pair in pairs for v in pair], settings=settings)
 

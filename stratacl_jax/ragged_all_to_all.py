@@ -20,10 +20,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.interpreters import ad
 
 from . import _config
 from . import _ffi
+from . import _multiprocess as _mp
 
 OPNAME = "strata.ragged_all_to_all"
 
@@ -69,12 +71,44 @@ def _abstract_eval(operand, output, *vectors, group, settings):
 
 
 def _lower(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, group, settings):
+    parts = _mp.split(group.axes)
+    if parts is not None:
+        return _lower_across(operand, output, input_offsets, send_sizes, output_offsets, group, parts[1])
     fn = jax.ffi.ffi_call("strata_ragged_all_to_all", jax.ShapeDtypeStruct(output.shape, output.dtype),
                           input_output_aliases={1: 0})
     return fn(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, group.meta(),
-              site_id=np.int64(_ffi.next_site_id()), group_size=np.int32(group.size),
+              site_id=np.int64(_ffi.next_site_id("strata_ragged_all_to_all", group.axes, group.others, operand.shape,
+                                                      operand.dtype, output.shape)), group_size=np.int32(group.size),
               num_devices=np.int32(group.num_devices),
               timeout_ms=_ffi.timeout_ms(settings))
+
+
+def _lower_across(operand, output, input_offsets, send_sizes, output_offsets, group, crossing):
+    """Over axes that cross processes (lax.ragged_all_to_all cannot run on
+    XLA:CPU, jax#34755): XLA all-gathers every rank's operand and offsets
+    between processes and each rank places the rows sent to it. Correct for
+    any layout; it moves n times the operand, so it is a fallback, not a
+    fast path."""
+    what = _mp.describe(OPNAME, group.axes, crossing)
+    axes = group.axes
+    n = group.size
+
+    def gathered(v):
+        return lax.all_gather(v, axes, axis=0)
+
+    ops = _mp.cross(gathered, operand, axes, what)  # [n, N, ...]
+    offsets = _mp.cross(gathered, jnp.stack([input_offsets, send_sizes, output_offsets]), axes, what)  # [n, 3, n]
+    me = lax.axis_index(axes)
+    rows = jnp.arange(output.shape[0])
+    out = output
+    for src in range(n):
+        start_in, size, start_out = (offsets[src, i, me] for i in range(3))
+        at = rows - start_out.astype(rows.dtype)
+        take = (at >= 0) & (at < size.astype(rows.dtype))
+        source = jnp.clip(at + start_in.astype(rows.dtype), 0, operand.shape[0] - 1)
+        picked = jnp.take(ops[src], source, axis=0)
+        out = jnp.where(take.reshape((-1,) + (1,) * (out.ndim - 1)), picked, out)
+    return out
 
 
 def _jvp(primals, tangents, *, group, settings):

@@ -14,6 +14,7 @@ from jax.interpreters import ad
 
 from . import _config
 from . import _ffi
+from . import _multiprocess as _mp
 
 OPNAME = "strata.reduce_scatter"
 
@@ -66,6 +67,49 @@ def _abstract_eval(x, *, group, dim, tiled, op, settings):
 
 
 def _lower(x, *, group, dim, tiled, op, settings):
+    parts = _mp.split(group.axes)
+    if parts is not None:
+        return _lower_across(x, group, dim, tiled, op, settings, *parts)
+    return _local(x, group, dim, tiled, op, settings)
+
+
+def _cross_scatter(x, axes, op, what):
+    """Rank r of `axes` gets x[r] reduced over `axes` (XLA's collectives)."""
+    if op == "sum":
+        return _mp.cross(lambda v: lax.psum_scatter(v, axes, scatter_dimension=0, tiled=False), x, axes, what)
+
+    def reduce_then_take(v):
+        if op == "prod":
+            total = jnp.prod(lax.all_gather(v, axes), axis=0).astype(v.dtype)
+        else:
+            total = {"max": lax.pmax, "min": lax.pmin}[op](v, axes)
+        return lax.dynamic_index_in_dim(total, lax.axis_index(axes), axis=0, keepdims=False)
+
+    return _mp.cross(reduce_then_take, x, axes, what)
+
+
+def _lower_across(x, group, dim, tiled, op, settings, local, crossing):
+    """Across processes: strata reduce-scatters inside the process first (the
+    link then carries 1/n_local of the data), XLA reduce-scatters the rest
+    between processes."""
+    what = _mp.describe(OPNAME, group.axes, crossing)
+    n = group.size
+    shape = x.shape
+    xs = x.reshape(shape[:dim] + (n, shape[dim] // n) + shape[dim + 1:]) if tiled else x
+    blocks = jnp.moveaxis(xs, dim, 0)  # [n, ...rest]: block r for rank r
+    if not local:
+        return _cross_scatter(blocks, group.axes, op, what)
+    sub = _mp.sub_group(group, local)
+    if tuple(group.axes) == tuple(crossing) + tuple(local):  # process-major: no reordering
+        blocks = blocks.reshape((group.size // sub.size, sub.size) + blocks.shape[1:])  # [nP, nL, ...]
+        mine = _local(blocks, sub, 1, False, op, settings)  # [nP, ...]
+    else:
+        blocks = _mp.to_split_order(blocks, group.axes, local, crossing)  # [nL, nP, ...]
+        mine = _local(blocks, sub, 0, False, op, settings)  # [nP, ...]
+    return _cross_scatter(mine, crossing, op, what)
+
+
+def _local(x, group, dim, tiled, op, settings):
     # [rows, n, block] -> [rows, 1, block] with rows = the dimensions before
     # `dim`: nothing moves.
     block = math.prod(x.shape[dim:]) // group.size

@@ -63,6 +63,15 @@ ffi::ErrorOr<std::unique_ptr<SiteInstance>> NewSiteInstance();
 // For jax.ffi.register_ffi_type.
 const XLA_FFI_TypeInfo* SiteInstanceTypeInfo();
 
+// XLA:CPU numbers the devices of a multi-process run `process_index *
+// kMaxCpuDevicesPerProcess + local id` (xla/pjrt/cpu/cpu_client.h; 2048 in
+// jaxlib 0.10.2, checked with jax.devices() over two processes), and
+// DeviceOrdinal is that packed id. Everything this runtime indexes by device
+// (arenas, registry, stats, rendezvous, traces) lives in one process and is
+// indexed by the local id; the process is named by the Python layer.
+constexpr int32_t kMaxCpuDevicesPerProcess = 2048;
+inline int32_t LocalDevice(int32_t ordinal) { return ordinal % kMaxCpuDevicesPerProcess; }
+
 // Who is calling, from the handler's context and the (rank, group) operand.
 inline CallSite DecodeCallSite(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32>& meta,
                                int64_t site_id, int64_t timeout_ms,
@@ -73,7 +82,7 @@ inline CallSite DecodeCallSite(int32_t device, ffi::RunId run, ffi::Buffer<ffi::
   c.instance_id = instance ? instance->instance.load(std::memory_order_acquire) : 0;
   c.rank = meta.typed_data()[0];
   c.group_id = meta.typed_data()[1];
-  c.device = device;
+  c.device = LocalDevice(device);
   c.timeout_s = static_cast<double>(timeout_ms) / 1000.0;
   return c;
 }

@@ -23,6 +23,7 @@
 #include "moe_handlers.h"
 #include "ragged_handlers.h"
 #include "reference_handlers.h"
+#include "xproc_handlers.h"
 
 namespace nb = nanobind;
 using namespace strata;
@@ -57,6 +58,8 @@ nb::dict Registrations() {
   // Floors for the latency benchmark, not ops.
   d["strata_ref_copy"] = EncapsulateFfiHandler(StrataRefCopy);
   d["strata_ref_barrier"] = EncapsulateFfiHandler(StrataRefBarrier);
+  // Brackets around the cross-process step of an op (the in-flight table).
+  d["strata_xproc_mark"] = EncapsulateFfiHandler(StrataXprocMark);
   return d;
 }
 
@@ -150,6 +153,7 @@ void BindModel(nb::module_& m);   // model_bindings.cc
 NB_MODULE(_core, m) {
   BindMemory(m);
   BindModel(m);
+  BindXproc(m);
   m.def("registrations", &Registrations);
   m.def("site_instance_type", &SiteInstanceType);
   m.def("stats", &GetStats);

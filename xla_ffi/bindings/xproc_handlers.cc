@@ -1,0 +1,88 @@
+// The in-flight table of cross-process steps. A strata op over axes that
+// cross processes runs XLA's own collectives (gloo) over the process axis;
+// those block without a timeout when a peer process is gone, and XLA knows
+// nothing of strata ops. So the Python layer brackets each cross-process step
+// with two marks: `begin` records (site, local device) -> (when, what: the
+// op's name and the ranks and processes it waits for), `end` removes it. The
+// marks pass their operand through (aliased, so no copy) to order them around
+// the step by data flow. A monitor thread in Python reads the table and, when
+// a step has waited past the op's timeout or a peer process stopped its
+// heartbeat, reports that op and those ranks and ends the process instead of
+// hanging (stratacl_jax/_multiprocess.py).
+#include "xproc_handlers.h"
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "ffi_common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace nb = nanobind;
+
+namespace strata {
+namespace {
+
+struct Entry {
+  std::chrono::steady_clock::time_point since;
+  std::string what;
+};
+
+std::mutex& g_mu = *new std::mutex;
+auto& g_inflight = *new std::map<std::pair<int64_t, int32_t>, Entry>;
+
+ffi::Error Mark(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t site_id,
+                int32_t phase, std::string_view what) {
+  if (x.size_bytes() != out->size_bytes())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_xproc_mark: sizes differ");
+  if (out->untyped_data() != x.untyped_data() && x.size_bytes() > 0)
+    std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  const auto key = std::make_pair(site_id, ffi_common::LocalDevice(ordinal));
+  std::lock_guard<std::mutex> lock(g_mu);
+  // A device runs one site's steps one after another (loop trips too), so a
+  // begin replaces the entry and an end removes it: the entry of a step whose
+  // program failed (its end never ran) is replaced by the next run's.
+  if (phase == 0) {
+    Entry& e = g_inflight[key];
+    e.since = std::chrono::steady_clock::now();
+    e.what.assign(what.data(), what.size());
+  } else {
+    g_inflight.erase(key);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+void BindXproc(nb::module_& m) {
+  m.def("xproc_inflight", []() {
+    std::vector<std::tuple<int64_t, int32_t, double, std::string>> rows;
+    const auto now = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (const auto& [key, e] : g_inflight)
+      rows.emplace_back(key.first, key.second, std::chrono::duration<double>(now - e.since).count(), e.what);
+    return rows;
+  }, "(site_id, local device, seconds in flight, description) of every cross-process step in flight");
+}
+
+}  // namespace strata
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataXprocMark, strata::Mark,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("site_id")
+                                  .Attr<int32_t>("phase")
+                                  .Attr<std::string_view>("what"));

@@ -14,6 +14,7 @@ jax.config.update("jax_enable_x64", True)
 
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from random_data import random_array  # noqa: E402,F401  (tests import it from here)
 
 
 @pytest.fixture(scope="session")
@@ -38,12 +39,3 @@ def shard_run(fn, mesh, *args, check_vma=True, out_axes=None):
     return jax.tree.map(np.asarray, f(*placed))
 
 
-def random_array(rng, shape, dtype):
-    dtype = np.dtype(dtype)
-    if dtype == np.bool_:
-        return rng.random(shape) < 0.5
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        lo, hi = max(info.min, -100), min(info.max, 100)
-        return rng.integers(lo, hi, size=shape, endpoint=True).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)

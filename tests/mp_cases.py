@@ -16,18 +16,11 @@ import numpy as np
 from jax import lax
 
 import stratacl_jax as strata
+from random_data import random_array
 
 DTYPES = ["float32", "int32", "float64", "bfloat16", "int8", "uint32", "bool", "float16", "int64", "uint8"]
 
 
-def random_array(rng, shape, dtype):
-    dtype = jnp.dtype(dtype)
-    if dtype == np.bool_:
-        return rng.random(shape) < 0.5
-    if np.issubdtype(dtype, np.integer):
-        info = np.iinfo(dtype)
-        return rng.integers(max(info.min, -100), min(info.max, 100), size=shape, endpoint=True).astype(dtype)
-    return rng.standard_normal(shape).astype(dtype)
 
 
 def members(shape, names, axes, device):

@@ -121,74 +121,53 @@ inline auto Settle(ffi::Promise promise) {
   };
 }
 
-// A handler that has just joined its group waits a short, bounded while for
-// the op to finish: a quick op then returns a settled future and its rank
-// goes on on its own thread, with no hand-off. Past the bound the handler
-// returns the pending future and frees its thread, so a slow peer can never
-// starve XLA of threads.
-class BriefWait {
+// How a handler that has just joined its group returns: with a settled future
+// if its op is already done (it was the last rank in and ran the op on the
+// spot), else at once with a pending one that the op's completion settles,
+// on a resumer thread (Complete in runtime/executor.h). It never waits: a
+// waiting handler holds an XLA thread per rank, and on 2 cores every waiter
+// costs a context switch (a futex wake if it sleeps) per op, paid rank after
+// rank; resumer threads instead run ranks' programs on one after another.
+// (Polling up to 500 us + 100 us per rank was 1.5-2x slower than this at 8,
+// 64 and 384 ranks; see BENCHMARKS.md.)
+class Handoff {
  public:
-  // `spin`: poll (yielding) instead of sleeping. Right for ops the last rank
-  // runs on the spot: a sleeping waiter costs a futex wake-up and a context
-  // switch per rank, paid one after another on a small machine (8 ranks, 1 KB
-  // all_reduce: ~110 -> ~60 us per op). Wrong for ops the host workers run:
-  // spinning ranks would take the cores from the workers.
-  BriefWait(std::chrono::microseconds bound, bool spin)
-      : bound_(bound), spin_(spin), state_(std::make_shared<State>()) {}
-
-  // The bound for a group of `n` ranks: the last of n XLA threads reaches the
-  // op later the more there are, and a rank that gives up pays a hand-off to
-  // a completion thread and XLA's resumption of its program, which costs more
-  // than the wait.
-  static BriefWait ForGroup(int64_t n, bool spin) {
-    return BriefWait(std::chrono::microseconds{kBaseUs + kPerRankUs * std::max<int64_t>(1, n)}, spin);
-  }
+  Handoff() : state_(std::make_shared<State>()) {}
 
   std::function<void(const Status&)> Completion() {
     return [state = state_](const Status& st) {
-      std::unique_lock<std::mutex> lock(state->mu);
-      if (!state->detached) {
-        state->status = st;
-        state->done = true;
-        state->done_flag.store(true, std::memory_order_release);
-        state->cv.notify_one();
-        return;
-      }
-      lock.unlock();
-      Complete([state, st]() mutable { SettleNow(state->promise, st); });
+      state->status = st;  // read by the handler only once it sees kDone
+      int waiting = kWaiting;
+      if (state->phase.compare_exchange_strong(waiting, kDone, std::memory_order_acq_rel)) return;
+      // The handler has returned its pending future: settle it, off this thread.
+      Complete([state]() mutable { SettleNow(state->promise, state->status); });
     };
   }
 
-  ffi::Future Wait() {
-    const auto deadline = std::chrono::steady_clock::now() + bound_;
-    if (spin_) {
-      while (!state_->done_flag.load(std::memory_order_acquire) &&
-             std::chrono::steady_clock::now() < deadline)
-        std::this_thread::yield();
+  // What the handler returns, once it has joined.
+  ffi::Future Result() {
+    int waiting = kWaiting;
+    if (state_->phase.compare_exchange_strong(waiting, kDetached, std::memory_order_acq_rel)) {
+      GlobalStats().waits_handed_off++;
+      return ffi::Future(state_->promise);
     }
-    std::unique_lock<std::mutex> lock(state_->mu);
-    state_->cv.wait_until(lock, deadline, [&] { return state_->done; });
-    if (state_->done) {
-      if (state_->status.ok) return Ready();
-      return Failed(ffi::Error(ffi::ErrorCode::kAborted, state_->status.message));
-    }
-    state_->detached = true;
-    GlobalStats().waits_handed_off++;
-    return ffi::Future(state_->promise);
+    if (state_->status.ok) return Ready();
+    return Failed(ffi::Error(ffi::ErrorCode::kAborted, state_->status.message));
   }
 
  private:
+  // Who settles the handler's future, decided once by whichever comes first:
+  // the op finishing (kDone: the handler returns a settled future) or the
+  // handler returning (kDetached: the completion settles the future). Atomic,
+  // not a mutex: it is decided on every rank of every op, often while the op
+  // finishes on another thread (a contended mutex there cost a futex wake-up
+  // per rank: 15 ms per 384-rank op instead of 2.5).
+  enum Phase : int { kWaiting, kDone, kDetached };
   struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false, detached = false;
-    std::atomic<bool> done_flag{false};  // `done`, readable without the lock
+    std::atomic<int> phase{kWaiting};
     Status status;
     ffi::Promise promise;
   };
-  static constexpr int64_t kBaseUs = 500, kPerRankUs = 100;
-  std::chrono::microseconds bound_;
-  bool spin_;
   std::shared_ptr<State> state_;
 };
 

@@ -27,10 +27,8 @@ ffi::Future Invalid(OpKind kind, const std::string& why) {
 }
 
 // Asynchronous: the handler joins its group and returns a future, so it never
-// holds one of XLA's threads for long while peers are still on their way
-// (held threads starve the computations those peers must finish first). It
-// waits a short, bounded while (BriefWait::ForGroup) for a quick op to
-// finish, to skip the hand-off.
+// holds one of XLA's threads while peers are still on their way (held threads
+// starve the computations those peers must finish first); see Handoff.
 template <OpKind kKind>
 ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                           ffi_common::SiteInstance* instance, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> meta,
@@ -78,9 +76,9 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   static_cast<CallSite&>(c) = ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance);
   c.in = x.untyped_data();
   c.out = out->untyped_data();
-  auto wait = ffi_common::BriefWait::ForGroup(group_size, RunsInline(p));
-  RunCollectiveAsync(p, c, wait.Completion());
-  return wait.Wait();
+  ffi_common::Handoff handoff;
+  RunCollectiveAsync(p, c, handoff.Completion());
+  return handoff.Result();
 }
 
 }  // namespace

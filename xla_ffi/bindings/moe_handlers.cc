@@ -54,13 +54,6 @@ MoeCall MakeCall(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32> meta, int
   return ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance);
 }
 
-// Waits briefly for the op, as the collectives do (ffi_common::BriefWait);
-// `rank_bytes` is this rank's inputs + outputs, which decide whether the last
-// rank runs the op on the spot.
-ffi_common::BriefWait WaitFor(const MoeParams& p, int64_t rank_bytes) {
-  return ffi_common::BriefWait::ForGroup(p.group_size, RunsInline(p.mode, rank_bytes, p.group_size, kMoeInlineGroupBytes));
-}
-
 constexpr const char* kDispatch = "strata.moe.dispatch";
 constexpr const char* kCombine = "strata.moe.combine";
 
@@ -112,12 +105,12 @@ ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, f
       !HasDims(slot_source->dimensions(), {el, capacity}) ||
       !HasDims(recv_counts->dimensions(), {el}) || dropped->element_count() != 1)
     return Failed(Invalid(kDispatch, "result shapes do not match the operands"));
-  auto wait = WaitFor(p, static_cast<int64_t>(x.size_bytes() + recv_x->size_bytes()));
+  ffi_common::Handoff handoff;
   MoeDispatchAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance), x.untyped_data(),
                    ids, recv_x->untyped_data(), pair_slot->typed_data(),
                    slot_source->typed_data(), recv_counts->typed_data(), dropped->typed_data(),
-                   wait.Completion());
-  return wait.Wait();
+                   handoff.Completion());
+  return handoff.Result();
 }
 
 // Fills the params a combine-family call shares, from expert_y [E_local, C, H]
@@ -166,11 +159,11 @@ ffi::Future CombineImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ff
     return Failed(std::move(*err));
   if (y->element_type() != expert_y.element_type() || !HasDims(y->dimensions(), {p.tokens, p.hidden}))
     return Failed(Invalid(kCombine, "y must be [T, H] of expert_y's dtype"));
-  auto wait = WaitFor(p, static_cast<int64_t>(expert_y.size_bytes() + y->size_bytes()));
+  ffi_common::Handoff handoff;
   MoeCombineAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance), expert_y.untyped_data(),
                   weights.untyped_data(), pair_slot.typed_data(), y->untyped_data(),
-                  wait.Completion());
-  return wait.Wait();
+                  handoff.Completion());
+  return handoff.Result();
 }
 
 ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi_common::SiteInstance* instance,
@@ -195,14 +188,12 @@ ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool 
       d_weights->element_type() != weights.element_type() ||
       !HasDims(d_weights->dimensions(), {p.tokens, p.topk}))
     return Failed(Invalid(kCombine, "backward operand shapes do not match"));
-  auto wait = WaitFor(p, static_cast<int64_t>(ct_y.size_bytes() + expert_y.size_bytes() +
-                                             weights.size_bytes() + d_expert_y->size_bytes() +
-                                             d_weights->size_bytes()));
+  ffi_common::Handoff handoff;
   MoeCombineBackwardAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance),
                           ct_y.untyped_data(), expert_y.untyped_data(), weights.untyped_data(),
                           pair_slot.typed_data(), slot_source.typed_data(),
-                          d_expert_y->untyped_data(), d_weights->untyped_data(), wait.Completion());
-  return wait.Wait();
+                          d_expert_y->untyped_data(), d_weights->untyped_data(), handoff.Completion());
+  return handoff.Result();
 }
 
 }  // namespace

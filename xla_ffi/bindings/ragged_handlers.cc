@@ -65,13 +65,10 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   b.send_sizes = send_sizes.typed_data();
   b.output_offsets = output_offsets.typed_data();
   b.recv_sizes = recv_sizes.typed_data();
-  // Each rank receives at most its output's rows: spin only when even that
-  // much for every rank would be copied on the spot.
-  auto wait = ffi_common::BriefWait::ForGroup(
-      group_size, static_cast<int64_t>(output.size_bytes()) * group_size <= kRaggedInlineGroupBytes);
+  ffi_common::Handoff handoff;
   RaggedAllToAllAsync(p, ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance), b,
-                      wait.Completion());
-  return wait.Wait();
+                      handoff.Completion());
+  return handoff.Result();
 }
 
 }  // namespace

@@ -1,12 +1,16 @@
 #include "executor.h"
 
+#include "spin_lock.h"
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace strata {
 
@@ -121,46 +125,203 @@ Executor& Global() {
   return *e;
 }
 
-// Unbounded on purpose: a bounded pool deadlocks the same way one thread does.
-class CompletionThreads {
+// Resumes ranks' XLA programs. Settling a rank's future runs the rest of its
+// program on the settling thread, up to its next collective (which returns a
+// pending future, freeing the thread) or its end. A few threads doing that for
+// every rank in turn resume a 384-rank group without waking 384 threads (a
+// context switch and a futex wake each, on 2 cores: the per-op cost at scale).
+//
+// A rank's program may also block on the way: in XLA's own collectives
+// (lax.psum waits for every rank, some still queued here) or in long compute.
+// So the pool is elastic: a monitor checks, every tick while work is queued,
+// which threads are still on the task they had a tick ago; those are treated
+// as blocked and as many new threads are put to work, so blocked ranks never
+// keep queued ones from running (it doubles until they are all unblocked; an
+// unbounded pool, like the thread per rank it replaces, cannot deadlock).
+class Resumers {
  public:
-  void Post(std::function<void()> fn) {
-    std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(std::move(fn));
-    if (queue_.size() > idle_) {
-      std::thread([this] { Loop(); }).detach();
-    } else {
-      cv_.notify_one();
+  Resumers() : target_(HostWorkers()) {
+    std::thread([this] { MonitorLoop(); }).detach();
+  }
+
+  void Post(std::vector<std::function<void()>> fns) {
+    if (fns.empty()) return;
+    std::unique_lock<SpinLock> lock(mu_);
+    for (auto& fn : fns) queue_.push_back(std::move(fn));
+    queued_.store(queue_.size(), std::memory_order_release);
+    if (monitor_asleep_) {
+      monitor_asleep_ = false;
+      monitor_cv_.notify_one();
+    }
+    // Enough threads already looking for work: spinning ones take it.
+    int add = std::min<int>(target_ - busy_ - spinning_ - woken_, static_cast<int>(queue_.size()));
+    for (int i = 0; i < add; ++i) {
+      if (idle_ > woken_) {
+        woken_++;
+        cv_.notify_one();
+      } else {
+        StartThreadLocked();
+      }
     }
   }
 
  private:
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
+  struct Worker {
+    std::atomic<uint64_t> task{0};  // ordinal of the task it is running; 0 idle
+    uint64_t seen = 0;              // the monitor's last look at `task`
+  };
+
+  static constexpr auto kTick = std::chrono::microseconds(500);
+  // How long a thread out of work polls for more before sleeping: the next
+  // op's completions come within tens of microseconds in a busy program.
+  static constexpr auto kSpin = std::chrono::microseconds(50);
+  static constexpr auto kIdleExit = std::chrono::seconds(30);
+
+  // Caller holds mu_.
+  void StartThreadLocked() {
+    const bool permanent = static_cast<int>(workers_.size()) < target_;
+    Worker* w;
+    if (!spare_.empty()) {
+      w = spare_.back();
+      spare_.pop_back();
+    } else {
+      w = new Worker;  // never freed: kept in spare_ when its thread exits
+    }
+    w->seen = 0;
+    workers_.push_back(w);
+    busy_++;  // counts as looking for work until it first waits
+    std::thread([this, w, permanent] { Loop(w, permanent); }).detach();
+  }
+
+  void Loop(Worker* w, bool permanent) {
+    std::unique_lock<SpinLock> lock(mu_);
+    busy_--;
     for (;;) {
-      idle_++;
-      const bool got = cv_.wait_for(lock, std::chrono::seconds(30), [&] { return !queue_.empty(); });
-      idle_--;
-      if (!got) return;
+      if (queue_.empty()) {
+        spinning_++;
+        lock.unlock();
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until)
+          std::this_thread::yield();
+        lock.lock();
+        spinning_--;
+      }
+      if (queue_.empty()) {
+        idle_++;
+        const auto deadline = std::chrono::steady_clock::now() + kIdleExit;
+        bool got = true;
+        while (queue_.empty()) {
+          const bool timed_out = cv_.wait_until(lock, deadline) == std::cv_status::timeout;
+          // Whoever woke us counted us as on the way: we are, or back asleep.
+          if (woken_ > 0) woken_--;
+          if (timed_out && queue_.empty()) {
+            got = false;
+            break;
+          }
+        }
+        idle_--;
+        if (!got && !permanent) {
+          workers_.erase(std::find(workers_.begin(), workers_.end(), w));
+          spare_.push_back(w);
+          return;
+        }
+        if (!got) continue;
+      }
       std::function<void()> fn = std::move(queue_.front());
       queue_.pop_front();
+      queued_.store(queue_.size(), std::memory_order_release);
+      busy_++;
+      w->task.store(++next_task_, std::memory_order_relaxed);
       lock.unlock();
       fn();
+      fn = nullptr;  // its captures go now, not after the next wait
       lock.lock();
+      w->task.store(0, std::memory_order_relaxed);
+      busy_--;
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
+  void MonitorLoop() {
+    std::unique_lock<SpinLock> lock(mu_);
+    int quiet_ticks = 0;
+    for (;;) {
+      if (queue_.empty() && ++quiet_ticks > 200) {
+        // Nothing queued for a while: sleep until work comes (Post wakes us).
+        monitor_asleep_ = true;
+        monitor_cv_.wait(lock, [&] { return !monitor_asleep_; });
+        quiet_ticks = 0;
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(kTick);
+      lock.lock();
+      if (queue_.empty()) continue;
+      quiet_ticks = 0;
+      int blocked = 0, running = 0;
+      for (Worker* w : workers_) {
+        const uint64_t task = w->task.load(std::memory_order_relaxed);
+        if (task == 0) {
+          w->seen = 0;
+          continue;
+        }
+        (task == w->seen ? blocked : running)++;
+        w->seen = task;
+      }
+      if (running + spinning_ + woken_ >= target_) continue;
+      // One fresh thread per blocked one (at least the shortfall): ranks that
+      // block in XLA's collectives all need a thread before any of them can go.
+      int add = std::max(target_ - running - spinning_ - woken_, blocked);
+      add = std::min<int>(add, static_cast<int>(queue_.size()));
+      for (int i = 0; i < add; ++i) {
+        if (idle_ > woken_) {
+          woken_++;
+          cv_.notify_one();
+        } else {
+          StartThreadLocked();
+        }
+      }
+    }
+  }
+
+  const int target_;
+  SpinLock mu_;  // taken once per resumed rank by several threads: see spin_lock.h
+  std::condition_variable_any cv_, monitor_cv_;
   std::deque<std::function<void()>> queue_;
-  size_t idle_ = 0;
+  std::atomic<size_t> queued_{0};  // queue_.size(), for pollers without the lock
+  std::vector<Worker*> workers_, spare_;
+  uint64_t next_task_ = 0;
+  int busy_ = 0, idle_ = 0, spinning_ = 0, woken_ = 0;
+  bool monitor_asleep_ = false;
 };
 
 }  // namespace
 
+namespace {
+Resumers& GlobalResumers() {
+  static Resumers* resumers = new Resumers();  // never destroyed: threads are detached
+  return *resumers;
+}
+// The batch this thread is collecting (see CompletionBatch), or null.
+thread_local std::vector<std::function<void()>>* t_batch = nullptr;
+}  // namespace
+
 void Complete(std::function<void()> fn) {
-  static CompletionThreads* threads = new CompletionThreads();  // threads are detached
-  threads->Post(std::move(fn));
+  if (t_batch) {
+    t_batch->push_back(std::move(fn));
+    return;
+  }
+  std::vector<std::function<void()>> one;
+  one.push_back(std::move(fn));
+  GlobalResumers().Post(std::move(one));
+}
+
+CompletionBatch::CompletionBatch() : outer_(t_batch) {
+  if (!outer_) t_batch = &fns_;
+}
+
+CompletionBatch::~CompletionBatch() {
+  if (outer_) return;
+  t_batch = nullptr;
+  GlobalResumers().Post(std::move(fns_));
 }
 
 void Submit(std::shared_ptr<Job> job, bool help) { Global().Submit(std::move(job), help); }

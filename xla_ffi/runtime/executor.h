@@ -35,12 +35,29 @@ int HostWorkers();
 // calling thread.
 void Submit(std::shared_ptr<Job> job, bool help = false);
 
-// Runs `fn` on a completion thread of its own. Fulfilling an XLA future runs
-// the rest of that rank's program on the fulfilling thread; if one thread
-// fulfilled every rank in turn, a rank that reaches XLA's own collective
-// (lax.psum) would wait there for ranks still queued behind it on the same
-// thread. So each completion gets a thread: idle ones are reused, a new one
-// starts when none is free, and they exit after 30 s without work.
+// Runs `fn` (a completion that resumes a rank's XLA program: fulfilling an
+// XLA future runs the rest of that program on the fulfilling thread, up to its
+// next pending collective) on the runtime's resumer threads: as many as the
+// machine has cores, resuming ranks one after another, plus a fresh thread for
+// each one found blocked for a tick (a rank that reaches XLA's own collective,
+// lax.psum, waits there for ranks still queued behind it; see Resumers in
+// executor.cc). Never blocks the caller.
 void Complete(std::function<void()> fn);
+
+// While one is alive, Complete() calls on this thread are collected and handed
+// over together when it ends: a group's completions queue under one lock
+// instead of one each against the threads already taking them (nested: the
+// outermost one hands over).
+class CompletionBatch {
+ public:
+  CompletionBatch();
+  ~CompletionBatch();
+  CompletionBatch(const CompletionBatch&) = delete;
+  CompletionBatch& operator=(const CompletionBatch&) = delete;
+
+ private:
+  std::vector<std::function<void()>>* outer_;
+  std::vector<std::function<void()>> fns_;
+};
 
 }  // namespace strata

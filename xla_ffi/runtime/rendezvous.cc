@@ -149,6 +149,7 @@ std::vector<Completion> AbortAsyncLocked(Slot& s, const std::string& why) {
 // Completions are cheap by contract: one that resumes an XLA program must
 // move to a thread of its own first (see Complete in executor.h).
 void Finish(std::vector<Completion> completions, const Status& st) {
+  CompletionBatch batch;
   for (auto& c : completions) c(st);
 }
 

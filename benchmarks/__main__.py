@@ -172,7 +172,8 @@ def tour_summary(reports: dict, npus: int) -> str:
                 vs = f", lax {peer['per_op_us']:.1f} us" if peer and peer.get("per_op_us") else ""
                 lines.append(f"  small {r['op']:<13} {r['npus']} NPUs {r['size']} B {r['pattern']}: "
                              f"{r['per_op_us']:.1f} us per op{vs} (floors: copy call "
-                             f"{r['copy_floor_us']:.1f} us, barrier {r['barrier_floor_us']:.1f} us)")
+                             f"{r['copy_floor_us']:.1f} us, barrier {r['barrier_floor_us']:.1f} us, "
+                             f"async meet {r['meet_floor_us']:.1f} us)")
     return "\n".join(lines)
 
 

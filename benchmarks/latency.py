@@ -5,10 +5,13 @@ What it measures (issue: small collectives near the limit):
   previous op's result) or independent (K ops on K slightly different copies of the input,
   their results summed). Per-op cost = (time of the program - time of the launch reference)
   / K, where the launch reference is the same mesh's program with no op at all.
-- Beside strata and lax, two floors that need no runtime: an FFI custom call that only copies
-  its input (what XLA charges per custom call) and one that meets every rank in a
-  spin-then-yield barrier twice and sums a value (what meeting the group costs). Both are
-  chained K times, the same way.
+- Beside strata and lax, three floors: an FFI custom call that only copies its input (what
+  XLA charges per custom call); one that meets every rank in a spin-then-yield barrier twice
+  and sums a value (what meeting the group costs when each rank waits on its own thread); and
+  an asynchronous meeting with the same result, as strata's ops meet: ranks return pending
+  futures and the last one in sums for all and hands them to strata's resumer threads (what
+  meeting costs with strata's resumption alone, no rendezvous bookkeeping, checks or plans).
+  All are chained K times, the same way.
 - Every measurement of one NPU count runs in one child process in interleaved rounds (each
   round times every program back to back; medians over rounds). Above 64 NPUs each (impl, op)
   gets its own child: lax.all_to_all makes XLA abort the process at 384 devices, and that
@@ -123,7 +126,8 @@ def _moe_step(impl, strata, ax, n, idx, weights, capacity):
 
 
 def ref_step(kind: str, ax: str, n: int) -> Callable:
-    """The floors: a custom call that copies, or one that meets the group (barrier)."""
+    """The floors: a custom call that copies, one that meets the group in a blocking barrier,
+    or one that meets it asynchronously as strata's ops do (meet)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -134,7 +138,8 @@ def ref_step(kind: str, ax: str, n: int) -> Callable:
         if kind == "copy":
             return jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
         rank = lax.axis_index(ax).astype(jnp.int32).reshape(1)
-        out = jax.ffi.ffi_call("strata_ref_barrier", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        target = "strata_ref_barrier" if kind == "barrier" else "strata_ref_meet"
+        out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
             x, rank, site_id=np.int64(next(sites)), group_size=np.int32(n))
         return out * np.float32(1.0 / n)
 
@@ -191,7 +196,7 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
         progs: dict[tuple, Callable] = {("launch", "-", "-"): program(None, "chained", k, mesh, ax)}
         inputs: dict[tuple, tuple] = {}
         if strata is not None:  # the floors' handlers live in strata's extension
-            for ref in ("copy", "barrier"):
+            for ref in ("copy", "barrier", "meet"):
                 progs[(ref, "-", "chained")] = program(ref_step(ref, ax, n), "chained", k, mesh, ax)
         for op in ops:
             if op == "moe":
@@ -254,6 +259,7 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
                     row.update(launch_us=launch, per_op_us=per_op(key),
                                copy_floor_us=per_op(("copy", "-", "chained")),
                                barrier_floor_us=per_op(("barrier", "-", "chained")),
+                               meet_floor_us=per_op(("meet", "-", "chained")),
                                rounds_us=samples.get(key), chain=k)
                     other = (op, "lax" if impl == "strata" else "strata", pattern)
                     if key in outputs and other in outputs:
@@ -370,7 +376,8 @@ def _table(rows: list[dict], n: int, k: int) -> str:
         line = {"size": size, "op": op, "pattern": pattern,
                 "strata": s.get("per_op_us"), "lax": lx.get("per_op_us"),
                 "launch": (s or lx).get("launch_us"), "copy": (s or lx).get("copy_floor_us"),
-                "barrier": (s or lx).get("barrier_floor_us"), "match": s.get("matches_peer")}
+                "barrier": (s or lx).get("barrier_floor_us"), "meet": (s or lx).get("meet_floor_us"),
+                "match": s.get("matches_peer")}
         if line["strata"] and line["lax"]:
             line["speedup"] = line["lax"] / line["strata"]
         notes = [f"{impl}: {r.get('status')} ({r.get('reason')})"
@@ -384,10 +391,12 @@ def _table(rows: list[dict], n: int, k: int) -> str:
             Col("strata", "strata", "(us/op)", ".1f"), Col("lax", "lax", "(us/op)", ".1f"),
             Col("speedup", "speedup", "(x)", ".2f", 8),
             Col("copy", "copy call", "(us/op)", ".1f"), Col("barrier", "barrier", "(us/op)", ".1f"),
+            Col("meet", "async meet", "(us/op)", ".1f"),
             Col("launch", "launch", "(us)", ".1f"), Col("match", "match", "", "", 6)]
     return common.render_table(
         cols, out, title=f"{n} emulated NPUs: per-op cost inside one program of K={k} ops "
-                         f"= (program - launch) / K; floors: a copying FFI call and a bare barrier")
+                         f"= (program - launch) / K; floors: a copying FFI call, a bare barrier, "
+                         f"an asynchronous meeting")
 
 
 def plot(report: Report, path: str) -> None:

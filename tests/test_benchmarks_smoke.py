@@ -110,6 +110,7 @@ def test_latency_cli(tmp_path):
         assert r["status"] == "ok", r
         assert r["per_op_us"] is not None and len(r["rounds_us"]) == 2, r
         assert r["copy_floor_us"] is not None and r["barrier_floor_us"] is not None, r
+        assert r["meet_floor_us"] is not None, r
         # strata's chained/independent programs compute what lax's do
         assert r["matches_peer"] is True, r
     assert (tmp_path / "latency.png").stat().st_size > 0

@@ -267,10 +267,10 @@ def test_exit_and_sigint_with_a_pending_op_return_quickly(how):
 # Waiting for a late peer ---------------------------------------------------------------------
 
 def test_ranks_waiting_for_a_late_peer_hand_off_and_it_is_counted(mesh8):
-    """A small op's handlers poll only a bounded while (so a slow peer cannot
-    hold XLA's threads); past it they hand the completion to a thread of the
-    runtime. Rank 0 computes ~tens of ms before the op, so the others give up
-    polling: the result is still exact, and the hand-offs are counted."""
+    """A small op's handlers never wait (so a slow peer cannot hold XLA's
+    threads): they return a pending future, and the op's completion resumes
+    them on the runtime's resumer threads. Rank 0 computes ~tens of ms before
+    the op: the result is still exact, and the hand-offs are counted."""
     x = random_array(np.random.default_rng(9), (8 * 128,), np.float32)
     m = jnp.asarray(random_array(np.random.default_rng(10), (128, 128), np.float32) / 128)
 

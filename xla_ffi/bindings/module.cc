@@ -58,6 +58,7 @@ nb::dict Registrations() {
   // Floors for the latency benchmark, not ops.
   d["strata_ref_copy"] = EncapsulateFfiHandler(StrataRefCopy);
   d["strata_ref_barrier"] = EncapsulateFfiHandler(StrataRefBarrier);
+  d["strata_ref_meet"] = EncapsulateFfiHandler(StrataRefMeet);
   // Brackets around the cross-process step of an op (the in-flight table).
   d["strata_xproc_mark"] = EncapsulateFfiHandler(StrataXprocMark);
   return d;

@@ -8,6 +8,12 @@
 //                       spin-then-yield barrier, sums element 0 of every
 //                       rank's input into its output, and meets them again
 //                       (so no rank leaves while a peer still reads its buffer).
+//   strata_ref_meet:    the same result, asynchronously, as strata's ops meet:
+//                       a rank publishes its buffers and returns a pending
+//                       future; the last rank in sums for everyone and hands
+//                       the others to the runtime's resumer threads. What
+//                       meeting costs with strata's resumption alone (no
+//                       rendezvous bookkeeping, checks, plans or registry).
 #include "reference_handlers.h"
 
 #include <atomic>
@@ -19,6 +25,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../runtime/executor.h"
+#include "ffi_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -77,6 +85,47 @@ ffi::Error RefBarrier(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+// One asynchronous meeting: what each rank published, and its future.
+struct AsyncMeeting {
+  explicit AsyncMeeting(int n) : inputs(n, nullptr), outputs(n, nullptr), promises(n) {}
+  std::vector<const float*> inputs;
+  std::vector<float*> outputs;
+  std::vector<ffi::Promise> promises;
+  std::atomic<int> arrived{0};
+};
+auto& g_async_meetings = *new std::map<std::tuple<int64_t, int64_t>, std::shared_ptr<AsyncMeeting>>;
+
+ffi::Future RefMeet(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rank_buf,
+                    ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t site_id, int32_t group_size) {
+  const int rank = rank_buf.typed_data()[0];
+  if (group_size < 1 || rank < 0 || rank >= group_size || x.element_count() < 1 ||
+      x.element_count() != out->element_count())
+    return ffi_common::Failed(ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_meet: bad arguments"));
+  std::memcpy(out->typed_data(), x.typed_data(), x.size_bytes());
+  std::shared_ptr<AsyncMeeting> m;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto& slot = g_async_meetings[{run.run_id, site_id}];
+    if (!slot) slot = std::make_shared<AsyncMeeting>(group_size);
+    m = slot;
+  }
+  m->inputs[rank] = x.typed_data();
+  m->outputs[rank] = out->typed_data();
+  ffi::Future future(m->promises[rank]);
+  if (m->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 < group_size) return future;
+  float sum = 0;
+  for (const float* in : m->inputs) sum += in[0];
+  for (float* o : m->outputs) o[0] = sum;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_async_meetings.erase({run.run_id, site_id});
+  }
+  CompletionBatch batch;
+  for (int r = 0; r < group_size; ++r)
+    if (r != rank) Complete([promise = m->promises[r]]() mutable { promise.SetAvailable(); });
+  return ffi_common::Ready();
+}
+
 }  // namespace
 }  // namespace strata
 
@@ -84,6 +133,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRefCopy, strata::RefCopy,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRefBarrier, strata::RefBarrier,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("site_id")
+                                  .Attr<int32_t>("group_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRefMeet, strata::RefMeet,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -5,4 +5,5 @@
 extern "C" {
 XLA_FFI_Error* StrataRefCopy(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* StrataRefBarrier(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* StrataRefMeet(XLA_FFI_CallFrame* call_frame);
 }

@@ -235,8 +235,38 @@ inline bool Clip(const Piece& piece, const View& v, int64_t* c0, int64_t* c1) {
   return *c1 > *c0;
 }
 
+// A copy of a few bytes: an all_to_all of 1 KB per rank over 384 ranks is
+// 147k transfers of one float, where a call to memcpy costs more than the move.
+inline void CopySmall(char* d, const char* s, int64_t n) {
+  switch (n) {
+    case 2: std::memcpy(d, s, 2); return;
+    case 4: std::memcpy(d, s, 4); return;
+    case 8: std::memcpy(d, s, 8); return;
+    case 16: std::memcpy(d, s, 16); return;
+    default: std::memcpy(d, s, static_cast<size_t>(n));
+  }
+}
+
 // Moves columns [c0, c1) of one transfer, every row; returns bytes written.
 int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
+  const Transfer& one = plan.transfers[transfer];
+  if (one.src_count == 1 && one.dst_count == 1 && !plan.is_reduction()) {
+    // One source to one destination (all_to_all, ppermute, gathers): no
+    // pointer tables, and small moves inline.
+    const int64_t len = c1 - c0, local = c0 - v.col_lo;
+    const BlockRef& sb = plan.refs[one.src_begin];
+    const BlockRef& db = plan.refs[one.dst_begin];
+    const char* src = v.in[sb.rank] + sb.block * v.block_stride + local;
+    char* dst = v.out[db.rank] + db.block * v.block_stride + local;
+    if (len <= 64) {
+      for (int64_t row = 0; row < v.rows; ++row)
+        CopySmall(dst + row * v.out_row_stride, src + row * v.in_row_stride, len);
+    } else {
+      for (int64_t row = 0; row < v.rows; ++row)
+        CopyBytes(dst + row * v.out_row_stride, src + row * v.in_row_stride, len, v.streaming);
+    }
+    return len * v.rows;
+  }
   const void* srcs[512];
   void* dsts[512];
   std::vector<const void*> srcs_heap;

@@ -18,8 +18,8 @@ struct Stats {
   std::atomic<int64_t> registry_hits{0};
   std::atomic<int64_t> registry_misses{0};
   std::atomic<int64_t> operand_registry_misses{0};  // inputs found unregistered
-  // Handlers that stopped polling for their op and handed its completion to a
-  // completion thread (each costs a thread hand-off and XLA's resumption).
+  // Handlers that returned before their op finished: the op's completion
+  // resumes them on a resumer thread (every rank but the last one in).
   std::atomic<int64_t> waits_handed_off{0};
 
   // Per NPU, per lane. Grown on demand under the mutex; updates are rare

@@ -56,19 +56,27 @@ void SpinUntil(const std::atomic<int>& counter, int target) {
     if (spins > 256) std::this_thread::yield();
 }
 
+bool ArgumentsFit(int rank, int32_t group_size, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& out) {
+  return group_size >= 1 && rank >= 0 && rank < group_size && x.element_count() >= 1 &&
+         x.element_count() == out.element_count();
+}
+
+// The meeting of (run, site), made by whichever rank comes first.
+template <typename M>
+std::shared_ptr<M> Join(std::map<std::tuple<int64_t, int64_t>, std::shared_ptr<M>>& meetings,
+                        ffi::RunId run, int64_t site_id, int32_t group_size) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto& slot = meetings[{run.run_id, site_id}];
+  if (!slot) slot = std::make_shared<M>(group_size);
+  return slot;
+}
+
 ffi::Error RefBarrier(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rank_buf,
                       ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t site_id, int32_t group_size) {
   const int rank = rank_buf.typed_data()[0];
-  if (group_size < 1 || rank < 0 || rank >= group_size || x.element_count() < 1 ||
-      x.element_count() != out->element_count())
+  if (!ArgumentsFit(rank, group_size, x, *out))
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_barrier: bad arguments");
-  std::shared_ptr<Meeting> m;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto& slot = g_meetings[{run.run_id, site_id}];
-    if (!slot) slot = std::make_shared<Meeting>(group_size);
-    m = slot;
-  }
+  std::shared_ptr<Meeting> m = Join(g_meetings, run, site_id, group_size);
   m->inputs[rank] = x.typed_data();
   m->arrived.fetch_add(1, std::memory_order_acq_rel);
   SpinUntil(m->arrived, group_size);
@@ -98,17 +106,10 @@ auto& g_async_meetings = *new std::map<std::tuple<int64_t, int64_t>, std::shared
 ffi::Future RefMeet(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rank_buf,
                     ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t site_id, int32_t group_size) {
   const int rank = rank_buf.typed_data()[0];
-  if (group_size < 1 || rank < 0 || rank >= group_size || x.element_count() < 1 ||
-      x.element_count() != out->element_count())
+  if (!ArgumentsFit(rank, group_size, x, *out))
     return ffi_common::Failed(ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_meet: bad arguments"));
   std::memcpy(out->typed_data(), x.typed_data(), x.size_bytes());
-  std::shared_ptr<AsyncMeeting> m;
-  {
-    std::lock_guard<std::mutex> lock(g_mu);
-    auto& slot = g_async_meetings[{run.run_id, site_id}];
-    if (!slot) slot = std::make_shared<AsyncMeeting>(group_size);
-    m = slot;
-  }
+  std::shared_ptr<AsyncMeeting> m = Join(g_async_meetings, run, site_id, group_size);
   m->inputs[rank] = x.typed_data();
   m->outputs[rank] = out->typed_data();
   ffi::Future future(m->promises[rank]);
@@ -132,20 +133,16 @@ ffi::Future RefMeet(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S3
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRefCopy, strata::RefCopy,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRefBarrier, strata::RefBarrier,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("site_id")
-                                  .Attr<int32_t>("group_size"));
+// The two meetings take the same call: (x, rank) -> out, with site and group size.
+#define STRATA_DEFINE_MEETING(symbol, fn)                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, fn,                    \
+                                ffi::Ffi::Bind()               \
+                                    .Ctx<ffi::RunId>()         \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Attr<int64_t>("site_id")  \
+                                    .Attr<int32_t>("group_size"))
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRefMeet, strata::RefMeet,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("site_id")
-                                  .Attr<int32_t>("group_size"));
+STRATA_DEFINE_MEETING(StrataRefBarrier, strata::RefBarrier);
+STRATA_DEFINE_MEETING(StrataRefMeet, strata::RefMeet);

@@ -154,15 +154,7 @@ class Resumers {
       monitor_cv_.notify_one();
     }
     // Enough threads already looking for work: spinning ones take it.
-    int add = std::min<int>(target_ - busy_ - spinning_ - woken_, static_cast<int>(queue_.size()));
-    for (int i = 0; i < add; ++i) {
-      if (idle_ > woken_) {
-        woken_++;
-        cv_.notify_one();
-      } else {
-        StartThreadLocked();
-      }
-    }
+    PutToWorkLocked(std::min<int>(target_ - busy_ - spinning_ - woken_, static_cast<int>(queue_.size())));
   }
 
  private:
@@ -176,6 +168,19 @@ class Resumers {
   // op's completions come within tens of microseconds in a busy program.
   static constexpr auto kSpin = std::chrono::microseconds(50);
   static constexpr auto kIdleExit = std::chrono::seconds(30);
+
+  // Wakes `count` sleeping threads, starting new ones when too few sleep.
+  // Caller holds mu_.
+  void PutToWorkLocked(int count) {
+    for (int i = 0; i < count; ++i) {
+      if (idle_ > woken_) {
+        woken_++;
+        cv_.notify_one();
+      } else {
+        StartThreadLocked();
+      }
+    }
+  }
 
   // Caller holds mu_.
   void StartThreadLocked() {
@@ -269,16 +274,8 @@ class Resumers {
       if (running + spinning_ + woken_ >= target_) continue;
       // One fresh thread per blocked one (at least the shortfall): ranks that
       // block in XLA's collectives all need a thread before any of them can go.
-      int add = std::max(target_ - running - spinning_ - woken_, blocked);
-      add = std::min<int>(add, static_cast<int>(queue_.size()));
-      for (int i = 0; i < add; ++i) {
-        if (idle_ > woken_) {
-          woken_++;
-          cv_.notify_one();
-        } else {
-          StartThreadLocked();
-        }
-      }
+      const int add = std::max(target_ - running - spinning_ - woken_, blocked);
+      PutToWorkLocked(std::min<int>(add, static_cast<int>(queue_.size())));
     }
   }
 

@@ -6,13 +6,8 @@
 #include <optional>
 #include <string>
 
-#include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <thread>
-#include <atomic>
 
 #include "../runtime/dtypes.h"
 #include "../runtime/executor.h"
@@ -111,14 +106,6 @@ inline void SettleNow(ffi::Promise& promise, const Status& st) {
   } else {
     promise.SetError(ffi::Error(ffi::ErrorCode::kAborted, st.message));
   }
-}
-
-// The completion the runtime calls once to settle a handler's future: on a
-// completion thread of its own, since settling resumes the rank's program.
-inline auto Settle(ffi::Promise promise) {
-  return [promise = std::move(promise)](const Status& st) mutable {
-    Complete([promise, st]() mutable { SettleNow(promise, st); });
-  };
 }
 
 // How a handler that has just joined its group returns: with a settled future

@@ -11,7 +11,10 @@ What it measures (issue: small collectives near the limit):
   an asynchronous meeting with the same result, as strata's ops meet: ranks return pending
   futures and the last one in sums for all and hands them to strata's resumer threads (what
   meeting costs with strata's resumption alone, no rendezvous bookkeeping, checks or plans).
-  All are chained K times, the same way.
+  Each floor is measured in both patterns, K times, and every row sits beside the floors of
+  its own pattern: independent ops cost XLA more than chained ones even when the op does
+  nothing (its thunk executor runs a graph, not a sequence), and a floor must be measured
+  the way the op is.
 - Every measurement of one NPU count runs in one child process in interleaved rounds (each
   round times every program back to back; medians over rounds). Above 64 NPUs each (impl, op)
   gets its own child: lax.all_to_all makes XLA abort the process at 384 devices, and that
@@ -45,7 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", dest="ops", default="all", help=f"comma list of {', '.join(OPS)}, or all")
     p.add_argument("--pattern", default="all", help="chained, independent, or all")
     p.add_argument("--impl", default="all", help="strata, lax, or all")
-    p.add_argument("--chain", type=int, default=8, help="ops per program, K (8)")
+    p.add_argument("--chain", default="8",
+                   help="ops per program, K: one value, or one per --npus count (8)")
     p.add_argument("--big-sizes", default="1K",
                    help="sizes used above 64 NPUs, where every program costs tens of ms (1K)")
     p.add_argument("-n", "--iters", type=int, default=10, help="timed calls per round (10)")
@@ -64,6 +68,25 @@ def npus_list(args) -> list[int]:
     if not out or any(not 1 <= v <= common.MAX_NPUS for v in out):
         raise SystemExit(f"--npus: counts in 1..{common.MAX_NPUS}")
     return out
+
+
+def chains(args) -> dict[int, int]:
+    """K for each NPU count: one --chain value for all, or one per --npus entry (small
+    meshes are cheap per op and noisy per program, so they want a longer chain)."""
+    npus = npus_list(args)
+    try:
+        ks = [int(v) for v in str(args.chain).split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit("--chain: integers, one or one per --npus count") from None
+    if len(ks) == 1:
+        ks = ks * len(npus)
+    if len(ks) != len(npus) or any(k < 1 for k in ks):
+        raise SystemExit(f"--chain: one K >= 1, or one per --npus count ({len(npus)})")
+    return dict(zip(npus, ks))
+
+
+def chain_for(args, n: int) -> int:
+    return chains(args).get(n, chains(args)[npus_list(args)[0]])
 
 
 def sizes_for(args, n: int) -> list[int]:
@@ -185,7 +208,7 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
     strata, reason = common.load_strata()
     mesh = common.make_mesh((n,), ("npu",))
     ax = "npu"
-    k = args.chain
+    k = chain_for(args, n)
     rng = np.random.default_rng(0)
     rows = []
     for size in sizes_for(args, n):
@@ -197,7 +220,8 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
         inputs: dict[tuple, tuple] = {}
         if strata is not None:  # the floors' handlers live in strata's extension
             for ref in ("copy", "barrier", "meet"):
-                progs[(ref, "-", "chained")] = program(ref_step(ref, ax, n), "chained", k, mesh, ax)
+                for pattern in patterns:
+                    progs[(ref, "-", pattern)] = program(ref_step(ref, ax, n), pattern, k, mesh, ax)
         for op in ops:
             if op == "moe":
                 per_rank, idx, w, cap = _moe_inputs(n, size, rng)
@@ -257,9 +281,9 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
                     row = _row(n, size, op, impl, pattern, status="error" if key in errors else "ok",
                                reason=errors.get(key))
                     row.update(launch_us=launch, per_op_us=per_op(key),
-                               copy_floor_us=per_op(("copy", "-", "chained")),
-                               barrier_floor_us=per_op(("barrier", "-", "chained")),
-                               meet_floor_us=per_op(("meet", "-", "chained")),
+                               copy_floor_us=per_op(("copy", "-", pattern)),
+                               barrier_floor_us=per_op(("barrier", "-", pattern)),
+                               meet_floor_us=per_op(("meet", "-", pattern)),
                                rounds_us=samples.get(key), chain=k)
                     other = (op, "lax" if impl == "strata" else "strata", pattern)
                     if key in outputs and other in outputs:
@@ -329,14 +353,13 @@ def run(args) -> Report:
     ops = common.split_list(args.ops, OPS, "--op")
     impls = common.split_list(args.impl, IMPLS, "--impl")
     patterns = common.split_list(args.pattern, PATTERNS, "--pattern")
-    if args.chain < 1:
-        raise SystemExit("--chain must be >= 1")
+    chain = chains(args)
     if args.child:
         common.setup_devices(args.child)
         rows = measure(args, args.child, ops, impls, patterns)
         return Report("latency", {}, rows=rows)
     params = {"npus": npus_list(args), "sizes": args.sizes, "big_sizes": args.big_sizes,
-              "chain": args.chain, "iters": args.iters, "warmup": args.warmup_iters,
+              "chain": chain, "iters": args.iters, "warmup": args.warmup_iters,
               "repeats": args.repeats, "ops": ops, "impls": impls, "patterns": patterns}
     report = Report("latency", params)
     for n in common.progress(npus_list(args), desc="latency", disable=args.no_progress):
@@ -354,7 +377,7 @@ def run(args) -> Report:
                                                 else "error", reason=why))
             rows += got
         report.rows += rows
-        report.emit(_table(rows, n, args.chain))
+        report.emit(_table(rows, n, chain[n]))
     report.env = common.environment() if _jax_started() else {}
     return report
 
@@ -395,8 +418,8 @@ def _table(rows: list[dict], n: int, k: int) -> str:
             Col("launch", "launch", "(us)", ".1f"), Col("match", "match", "", "", 6)]
     return common.render_table(
         cols, out, title=f"{n} emulated NPUs: per-op cost inside one program of K={k} ops "
-                         f"= (program - launch) / K; floors: a copying FFI call, a bare barrier, "
-                         f"an asynchronous meeting")
+                         f"= (program - launch) / K; floors (same pattern, same K): a copying FFI call, "
+                         f"a bare barrier, an asynchronous meeting")
 
 
 def plot(report: Report, path: str) -> None:

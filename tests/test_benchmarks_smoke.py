@@ -4,6 +4,7 @@ writes JSON/CSV/PNG, and every measured row is exact (#wrong == 0).
 The CLI runs in a subprocess: it must set the emulated NPU count before JAX starts, which this
 test process (conftest) has already done for itself."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -113,7 +114,25 @@ def test_latency_cli(tmp_path):
         assert r["meet_floor_us"] is not None, r
         # strata's chained/independent programs compute what lax's do
         assert r["matches_peer"] is True, r
+    # each pattern is set beside floors measured in that pattern (two timings of different
+    # programs: equal values would mean one pattern's floor was copied to the other)
+    for floor in ("copy_floor_us", "barrier_floor_us", "meet_floor_us"):
+        by_pattern = {r["pattern"]: r[floor] for r in rows if r["op"] == "all_reduce"}
+        assert by_pattern["chained"] != by_pattern["independent"], (floor, by_pattern)
     assert (tmp_path / "latency.png").stat().st_size > 0
+
+
+def test_latency_chain_per_npu_count():
+    from benchmarks import latency
+
+    def parse(npus, chain):
+        return latency.chains(argparse.Namespace(npus=npus, chain=chain))
+
+    assert parse("8,64,384", "32,16,8") == {8: 32, 64: 16, 384: 8}
+    assert parse("8,384", "12") == {8: 12, 384: 12}
+    for bad in ("32,16", "0", "x"):
+        with pytest.raises(SystemExit):
+            parse("8,64,384", bad)
 
 
 # Pure helpers (no devices needed)

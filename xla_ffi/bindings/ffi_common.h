@@ -119,27 +119,55 @@ inline void SettleNow(ffi::Promise& promise, const Status& st) {
 // 64 and 384 ranks; see BENCHMARKS.md.)
 class Handoff {
  public:
-  Handoff() : state_(std::make_shared<State>()) {}
+  Handoff() : state_(new State) {}
+  Handoff(const Handoff&) = delete;
+  Handoff& operator=(const Handoff&) = delete;
+  // Result() gives up the handler's share; a handler that never got there
+  // gives it up here (and the completion's, if it never handed one out).
+  ~Handoff() {
+    if (!state_) return;
+    if (!completion_out_) Release(state_);
+    Release(state_);
+  }
 
+  // Called exactly once (the runtime's contract for completions). It holds
+  // the completion's share of the state as a raw pointer: a lambda with a
+  // shared_ptr is not trivially copyable, so std::function would put it on
+  // the heap, and so would the lambda that settles the future, two
+  // allocations per rank per op made on one thread and freed on another
+  // (glibc's slow path: libc was ~0.6 us of strata's ~1.3 us per rank).
   std::function<void(const Status&)> Completion() {
+    completion_out_ = true;
     return [state = state_](const Status& st) {
       state->status = st;  // read by the handler only once it sees kDone
       int waiting = kWaiting;
-      if (state->phase.compare_exchange_strong(waiting, kDone, std::memory_order_acq_rel)) return;
+      if (state->phase.compare_exchange_strong(waiting, kDone, std::memory_order_acq_rel)) {
+        Release(state);
+        return;
+      }
       // The handler has returned its pending future: settle it, off this thread.
-      Complete([state]() mutable { SettleNow(state->promise, state->status); });
+      Complete([state] {
+        SettleNow(state->promise, state->status);
+        Release(state);
+      });
     };
   }
 
   // What the handler returns, once it has joined.
   ffi::Future Result() {
+    State* state = state_;
+    state_ = nullptr;
     int waiting = kWaiting;
-    if (state_->phase.compare_exchange_strong(waiting, kDetached, std::memory_order_acq_rel)) {
+    if (state->phase.compare_exchange_strong(waiting, kDetached, std::memory_order_acq_rel)) {
       GlobalStats().waits_handed_off++;
-      return ffi::Future(state_->promise);
+      ffi::Future future(state->promise);
+      Release(state);
+      return future;
     }
-    if (state_->status.ok) return Ready();
-    return Failed(ffi::Error(ffi::ErrorCode::kAborted, state_->status.message));
+    ffi::Future done = state->status.ok ? Ready()
+                                        : Failed(ffi::Error(ffi::ErrorCode::kAborted, state->status.message));
+    Release(state);
+    return done;
   }
 
  private:
@@ -152,10 +180,15 @@ class Handoff {
   enum Phase : int { kWaiting, kDone, kDetached };
   struct State {
     std::atomic<int> phase{kWaiting};
+    std::atomic<int> shares{2};  // the handler's and the completion's
     Status status;
     ffi::Promise promise;
   };
-  std::shared_ptr<State> state_;
+  static void Release(State* state) {
+    if (state->shares.fetch_sub(1, std::memory_order_acq_rel) == 1) delete state;
+  }
+  State* state_;
+  bool completion_out_ = false;
 };
 
 // XLA:CPU deadlocks itself when its client pool has fewer than two threads

@@ -321,6 +321,31 @@ Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, std::vector<int32_
   phase.run = [plan, v = std::move(v), devices = std::move(devices), direct](uint64_t chunk) {
     std::vector<Stats::LaneBytes> lane_bytes;
     int64_t written = 0;
+    if (!plan->moves.empty() && v.col_lo == 0 && v.col_hi == plan->block_bytes) {
+      // The whole message of a copy-only plan: its resolved moves (Plan::moves).
+      for (uint32_t i = plan->move_starts[chunk]; i < plan->move_starts[chunk + 1]; ++i) {
+        const Move& m = plan->moves[i];
+        const char* src = v.in[m.src_rank] + m.src_block * v.block_stride + m.col;
+        char* dst = v.out[m.dst_rank] + m.dst_block * v.block_stride + m.col;
+        for (int64_t row = 0; row < v.rows; ++row) {
+          if (m.len <= 64) {
+            CopySmall(dst + row * v.out_row_stride, src + row * v.in_row_stride, m.len);
+          } else {
+            CopyBytes(dst + row * v.out_row_stride, src + row * v.in_row_stride, m.len, v.streaming);
+          }
+        }
+        written += m.len * v.rows;
+      }
+      for (uint32_t i = plan->chunk_starts[chunk]; i < plan->chunk_starts[chunk + 1]; ++i) {
+        const LaneTask& task = plan->tasks[i];
+        if (task.bytes > 0) lane_bytes.push_back({devices[task.npu], task.lane, task.bytes * v.rows});
+      }
+      if (v.streaming) StoreFence();
+      Stats& stats = GlobalStats();
+      stats.AddLaneBytes(true, plan->lanes_per_npu, lane_bytes);
+      stats.AddExchanged(written, direct);
+      return;
+    }
     uint32_t run_transfer = 0;
     int64_t run_c0 = 0, run_c1 = 0;  // the open run; empty when run_c1 == run_c0
     for (uint32_t i = plan->chunk_starts[chunk]; i < plan->chunk_starts[chunk + 1]; ++i) {

@@ -1,6 +1,7 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace strata {
 
@@ -119,6 +120,42 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
     acc += plan.tasks[t].bytes;
   }
   plan.chunk_starts.push_back(static_cast<uint32_t>(plan.tasks.size()));
+
+  // 4. Moves, when the plan is only 1 -> 1 copies.
+  plan.moves.clear();
+  plan.move_starts.clear();
+  const bool one_to_one = !plan.is_reduction() && !plan.transfers.empty() &&
+                          std::all_of(plan.transfers.begin(), plan.transfers.end(), [](const Transfer& t) {
+                            return t.src_count == 1 && t.dst_count == 1;
+                          });
+  if (!one_to_one) return;
+  for (size_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) {
+    plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
+    uint32_t last_transfer = UINT32_MAX;
+    for (uint32_t i = plan.chunk_starts[c]; i < plan.chunk_starts[c + 1]; ++i) {
+      const LaneTask& task = plan.tasks[i];
+      for (uint32_t pi = task.piece_begin; pi < task.piece_end; ++pi) {
+        const Piece& piece = plan.pieces[pi];
+        if (piece.col_end <= piece.col_begin) continue;
+        // A lane's range that continues the previous one is one move (as
+        // ExchangePhase's runs are: a move per source stream, not per lane).
+        if (piece.transfer == last_transfer && !plan.moves.empty()) {
+          Move& open = plan.moves.back();
+          if (open.col + open.len == piece.col_begin) {
+            open.len += piece.col_end - piece.col_begin;
+            continue;
+          }
+        }
+        const Transfer& t = plan.transfers[piece.transfer];
+        const BlockRef& src = plan.refs[t.src_begin];
+        const BlockRef& dst = plan.refs[t.dst_begin];
+        plan.moves.push_back({src.rank, src.block, dst.rank, dst.block, piece.col_begin,
+                              piece.col_end - piece.col_begin});
+        last_transfer = piece.transfer;
+      }
+    }
+  }
+  plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
 }
 
 double LaneImbalance(const Plan& plan) {

@@ -385,13 +385,15 @@ std::string Where(const char* opname, const MoeParams& p, const MoeCall& c) {
 }
 
 // First value of `values[0, count)` outside [-1, limit), as an error naming
-// the handle field; empty when all are in range. -1 marks an empty entry.
-std::string CheckLayout(const std::string& where, const char* field, const int32_t* values,
-                        int64_t count, int64_t limit) {
+// the op, the rank and the handle field; empty when all are in range. -1
+// marks an empty entry. The rank's description is formatted only for an
+// error (on every call it cost each rank a string stream per op).
+std::string CheckLayout(const char* opname, const MoeParams& p, const MoeCall& c, const char* field,
+                        const int32_t* values, int64_t count, int64_t limit) {
   for (int64_t i = 0; i < count; ++i) {
     if (values[i] >= -1 && values[i] < limit) continue;
     std::ostringstream os;
-    os << where << "DispatchHandle." << field << "[" << i << "] = " << values[i]
+    os << Where(opname, p, c) << "DispatchHandle." << field << "[" << i << "] = " << values[i]
        << " is outside [-1, " << limit << "): the handle does not come from this group's "
        << "strata.moe.dispatch, or was modified";
     return os.str();
@@ -436,6 +438,21 @@ Phase StagePhase(std::vector<R*> ranks, bool in) {
   };
   return phase;
 }
+
+// The group's published pointers as one flat table, for a phase to keep:
+// its copy of s.ptrs (a vector per rank) cost an allocation per rank per op.
+class PtrTable {
+ public:
+  explicit PtrTable(const Slot& s) : width_(s.ptrs.empty() ? 0 : s.ptrs[0].size()), flat_(s.n * width_) {
+    for (int r = 0; r < s.n; ++r)
+      std::copy_n(s.ptrs[r].begin(), std::min(width_, s.ptrs[r].size()), flat_.begin() + r * width_);
+  }
+  void* const* operator[](int64_t rank) const { return flat_.data() + rank * width_; }
+
+ private:
+  size_t width_;
+  std::vector<void*> flat_;
+};
 
 // The rank states the group published (each rank's last pointer).
 template <typename R>
@@ -580,7 +597,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
     Phase exchange;
     const ExpertTasks tasks(p, rb);
     exchange.count = tasks.count(n);
-    exchange.run = [p, tasks, ranks, ptrs = s.ptrs, devices = s.devices, pairs, rb,
+    exchange.run = [p, tasks, ranks, ptrs = PtrTable(s), devices = s.devices, pairs, rb,
                     direct](uint64_t i) {
       const ExpertTasks::Task task = tasks.at(i);
       char* out = static_cast<char*>(ptrs[task.rank][kRecv]);
@@ -627,7 +644,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   auto me = std::make_shared<RankState>(kCombineName, p, c.device,
                                         std::vector<RowBuffers::In>{{expert_y, slots_per_rank * rb}},
                                         std::vector<RowBuffers::Out>{{y, p.tokens * rb}});
-  me->bad = CheckLayout(Where(kCombineName, p, c), "pair_slot", pair_slot, p.tokens * k_top, all_slots);
+  me->bad = CheckLayout(kCombineName, p, c, "pair_slot", pair_slot, p.tokens * k_top, all_slots);
   st = me->rows.Acquire();
   if (!st.ok) return done(st);
   GlobalStats().ops++;
@@ -651,7 +668,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     WithFloatType(p.dtype, [&](auto tag) {
       using T = decltype(tag);
       using A = typename AccOf<T>::type;
-      combine.run = [p, tasks, ptrs = s.ptrs, devices = s.devices, h, k_top, rb, slots_per_rank,
+      combine.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb, slots_per_rank,
                      all_slots, direct](uint64_t i) {
         const TokenTasks::Task task = tasks.at(i);
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
@@ -739,9 +756,9 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
       kCombineBwdName, p, c.device,
       std::vector<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}, {weights, pairs * wsize}},
       std::vector<RowBuffers::Out>{{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
-  me->bad = CheckLayout(Where(kCombineBwdName, p, c), "pair_slot", pair_slot, pairs, all_slots);
+  me->bad = CheckLayout(kCombineBwdName, p, c, "pair_slot", pair_slot, pairs, all_slots);
   if (me->bad.empty())
-    me->bad = CheckLayout(Where(kCombineBwdName, p, c), "slot_source", slot_source, slots_per_rank,
+    me->bad = CheckLayout(kCombineBwdName, p, c, "slot_source", slot_source, slots_per_rank,
                           n * pairs);
   st = me->rows.Acquire();
   if (!st.ok) return done(st);
@@ -776,7 +793,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
     WithFloatType(p.dtype, [&](auto tag) {
       using T = decltype(tag);
       using A = typename AccOf<T>::type;
-      backward.run = [p, rows_tasks, token_tasks, first_token_task, ptrs = s.ptrs,
+      backward.run = [p, rows_tasks, token_tasks, first_token_task, ptrs = PtrTable(s),
                       devices = s.devices, h, k_top, rb, slots_per_rank, all_slots, pairs,
                       direct](uint64_t i) {
         int64_t moved = 0, touched = 0;

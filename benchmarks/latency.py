@@ -85,10 +85,6 @@ def chains(args) -> dict[int, int]:
     return dict(zip(npus, ks))
 
 
-def chain_for(args, n: int) -> int:
-    return chains(args).get(n, chains(args)[npus_list(args)[0]])
-
-
 def sizes_for(args, n: int) -> list[int]:
     text = args.sizes if n <= 64 else args.big_sizes
     return [common.parse_size(s) for s in text.split(",") if s.strip()]
@@ -208,7 +204,7 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
     strata, reason = common.load_strata()
     mesh = common.make_mesh((n,), ("npu",))
     ax = "npu"
-    k = chain_for(args, n)
+    k = chains(args)[n]  # a child's n is one of the --npus its parent passes on
     rng = np.random.default_rng(0)
     rows = []
     for size in sizes_for(args, n):

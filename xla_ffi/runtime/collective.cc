@@ -247,6 +247,17 @@ inline void CopySmall(char* d, const char* s, int64_t n) {
   }
 }
 
+// One source's `len` bytes to one destination, in every row of the view.
+inline void CopyRows(char* dst, const char* src, int64_t len, const View& v) {
+  if (len <= 64) {
+    for (int64_t row = 0; row < v.rows; ++row)
+      CopySmall(dst + row * v.out_row_stride, src + row * v.in_row_stride, len);
+  } else {
+    for (int64_t row = 0; row < v.rows; ++row)
+      CopyBytes(dst + row * v.out_row_stride, src + row * v.in_row_stride, len, v.streaming);
+  }
+}
+
 // Moves columns [c0, c1) of one transfer, every row; returns bytes written.
 int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
   const Transfer& one = plan.transfers[transfer];
@@ -256,15 +267,8 @@ int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, 
     const int64_t len = c1 - c0, local = c0 - v.col_lo;
     const BlockRef& sb = plan.refs[one.src_begin];
     const BlockRef& db = plan.refs[one.dst_begin];
-    const char* src = v.in[sb.rank] + sb.block * v.block_stride + local;
-    char* dst = v.out[db.rank] + db.block * v.block_stride + local;
-    if (len <= 64) {
-      for (int64_t row = 0; row < v.rows; ++row)
-        CopySmall(dst + row * v.out_row_stride, src + row * v.in_row_stride, len);
-    } else {
-      for (int64_t row = 0; row < v.rows; ++row)
-        CopyBytes(dst + row * v.out_row_stride, src + row * v.in_row_stride, len, v.streaming);
-    }
+    CopyRows(v.out[db.rank] + db.block * v.block_stride + local,
+             v.in[sb.rank] + sb.block * v.block_stride + local, len, v);
     return len * v.rows;
   }
   const void* srcs[512];
@@ -308,67 +312,71 @@ int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, 
   return len * t.dst_count * v.rows;
 }
 
+// Host chunk `chunk` of a copy-only plan over the whole message: its resolved
+// moves (Plan::moves). Returns bytes written; credits each lane its bytes.
+int64_t RunMoves(const Plan& plan, uint64_t chunk, const View& v, const std::vector<int32_t>& devices,
+                 std::vector<Stats::LaneBytes>* lane_bytes) {
+  int64_t written = 0;
+  for (uint32_t i = plan.move_starts[chunk]; i < plan.move_starts[chunk + 1]; ++i) {
+    const Move& m = plan.moves[i];
+    CopyRows(v.out[m.dst_rank] + m.dst_block * v.block_stride + m.col,
+             v.in[m.src_rank] + m.src_block * v.block_stride + m.col, m.len, v);
+    written += m.len * v.rows;
+  }
+  for (uint32_t i = plan.chunk_starts[chunk]; i < plan.chunk_starts[chunk + 1]; ++i) {
+    const LaneTask& task = plan.tasks[i];
+    if (task.bytes > 0) lane_bytes->push_back({devices[task.npu], task.lane, task.bytes * v.rows});
+  }
+  return written;
+}
+
+// Host chunk `chunk` of any plan, within the view's window: the chunk's pieces
+// as long column runs. Consecutive lanes of an NPU cut one transfer into
+// neighbouring ranges, and running each range on its own restarts every
+// source stream (rs 4 MB per rank over 48 lanes: 15 % slower than over 2).
+int64_t RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::vector<int32_t>& devices,
+                  std::vector<Stats::LaneBytes>* lane_bytes) {
+  int64_t written = 0;
+  uint32_t run_transfer = 0;
+  int64_t run_c0 = 0, run_c1 = 0;  // the open run; empty when run_c1 == run_c0
+  for (uint32_t i = plan.chunk_starts[chunk]; i < plan.chunk_starts[chunk + 1]; ++i) {
+    const LaneTask& task = plan.tasks[i];
+    int64_t touched = 0;
+    for (uint32_t pi = task.piece_begin; pi < task.piece_end; ++pi) {
+      const Piece& piece = plan.pieces[pi];
+      const Transfer& t = plan.transfers[piece.transfer];
+      int64_t c0, c1;
+      if (!Clip(piece, v, &c0, &c1)) continue;
+      touched += (c1 - c0) * (t.src_count + t.dst_count) * v.rows;
+      if (piece.transfer == run_transfer && c0 == run_c1 && run_c1 > run_c0) {
+        run_c1 = c1;  // the next lane's range continues the run
+        continue;
+      }
+      if (run_c1 > run_c0) written += RunColumns(plan, run_transfer, run_c0, run_c1, v);
+      run_transfer = piece.transfer;
+      run_c0 = c0;
+      run_c1 = c1;
+    }
+    if (touched > 0) lane_bytes->push_back({devices[task.npu], task.lane, touched});
+  }
+  if (run_c1 > run_c0) written += RunColumns(plan, run_transfer, run_c0, run_c1, v);
+  return written;
+}
+
 // The exchange as a phase: one task per host chunk of lane tasks. Each lane
-// is credited with what it moves (the emulated core's or engine's work), but
-// the host runs the chunk's pieces as long column runs: consecutive lanes of
-// an NPU cut one transfer into neighbouring ranges, and running each range on
-// its own restarts every source stream (rs 4 MB per rank over 48 lanes: 15 %
-// slower than over 2).
+// is credited with what it moves (the emulated core's or engine's work); the
+// host runs a copy-only plan's resolved moves when it has the whole message,
+// else the chunk's pieces.
 Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, std::vector<int32_t> devices,
                     bool direct) {
   Phase phase;
   phase.count = plan->chunk_starts.size() - 1;
   phase.run = [plan, v = std::move(v), devices = std::move(devices), direct](uint64_t chunk) {
     std::vector<Stats::LaneBytes> lane_bytes;
-    int64_t written = 0;
-    if (!plan->moves.empty() && v.col_lo == 0 && v.col_hi == plan->block_bytes) {
-      // The whole message of a copy-only plan: its resolved moves (Plan::moves).
-      for (uint32_t i = plan->move_starts[chunk]; i < plan->move_starts[chunk + 1]; ++i) {
-        const Move& m = plan->moves[i];
-        const char* src = v.in[m.src_rank] + m.src_block * v.block_stride + m.col;
-        char* dst = v.out[m.dst_rank] + m.dst_block * v.block_stride + m.col;
-        for (int64_t row = 0; row < v.rows; ++row) {
-          if (m.len <= 64) {
-            CopySmall(dst + row * v.out_row_stride, src + row * v.in_row_stride, m.len);
-          } else {
-            CopyBytes(dst + row * v.out_row_stride, src + row * v.in_row_stride, m.len, v.streaming);
-          }
-        }
-        written += m.len * v.rows;
-      }
-      for (uint32_t i = plan->chunk_starts[chunk]; i < plan->chunk_starts[chunk + 1]; ++i) {
-        const LaneTask& task = plan->tasks[i];
-        if (task.bytes > 0) lane_bytes.push_back({devices[task.npu], task.lane, task.bytes * v.rows});
-      }
-      if (v.streaming) StoreFence();
-      Stats& stats = GlobalStats();
-      stats.AddLaneBytes(true, plan->lanes_per_npu, lane_bytes);
-      stats.AddExchanged(written, direct);
-      return;
-    }
-    uint32_t run_transfer = 0;
-    int64_t run_c0 = 0, run_c1 = 0;  // the open run; empty when run_c1 == run_c0
-    for (uint32_t i = plan->chunk_starts[chunk]; i < plan->chunk_starts[chunk + 1]; ++i) {
-      const LaneTask& task = plan->tasks[i];
-      int64_t touched = 0;
-      for (uint32_t pi = task.piece_begin; pi < task.piece_end; ++pi) {
-        const Piece& piece = plan->pieces[pi];
-        const Transfer& t = plan->transfers[piece.transfer];
-        int64_t c0, c1;
-        if (!Clip(piece, v, &c0, &c1)) continue;
-        touched += (c1 - c0) * (t.src_count + t.dst_count) * v.rows;
-        if (piece.transfer == run_transfer && c0 == run_c1 && run_c1 > run_c0) {
-          run_c1 = c1;  // the next lane's range continues the run
-          continue;
-        }
-        if (run_c1 > run_c0) written += RunColumns(*plan, run_transfer, run_c0, run_c1, v);
-        run_transfer = piece.transfer;
-        run_c0 = c0;
-        run_c1 = c1;
-      }
-      if (touched > 0) lane_bytes.push_back({devices[task.npu], task.lane, touched});
-    }
-    if (run_c1 > run_c0) written += RunColumns(*plan, run_transfer, run_c0, run_c1, v);
+    const bool whole = v.col_lo == 0 && v.col_hi == plan->block_bytes;
+    const int64_t written = !plan->moves.empty() && whole
+                                ? RunMoves(*plan, chunk, v, devices, &lane_bytes)
+                                : RunPieces(*plan, chunk, v, devices, &lane_bytes);
     if (v.streaming) StoreFence();
     Stats& stats = GlobalStats();
     stats.AddLaneBytes(!plan->is_reduction(), plan->lanes_per_npu, lane_bytes);

@@ -139,7 +139,7 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
         if (piece.col_end <= piece.col_begin) continue;
         // A lane's range that continues the previous one is one move (as
         // ExchangePhase's runs are: a move per source stream, not per lane).
-        if (piece.transfer == last_transfer && !plan.moves.empty()) {
+        if (piece.transfer == last_transfer) {  // set only after a move of this chunk
           Move& open = plan.moves.back();
           if (open.col + open.len == piece.col_begin) {
             open.len += piece.col_end - piece.col_begin;

@@ -36,7 +36,10 @@ Signature MoeParams::Sign(const char* opname) const {
   h.Add(cores).Add(engines).Add(mode).Add(comm_buffer_bytes);
   Signature sig;
   sig.hash = h.hash();
-  sig.describe = [p = *this, opname] { return p.Describe(opname); };
+  // `this` outlives JoinAsync (the caller's parameters), which is all keep needs.
+  sig.keep = [this, opname] {
+    return std::function<std::string()>([p = *this, opname] { return p.Describe(opname); });
+  };
   return sig;
 }
 
@@ -466,7 +469,7 @@ std::vector<R*> Ranks(const Slot& s) {
 // `ptrs` and kept until the group's job is over, then dropped (its comm
 // buffers go back to the pool) before `done` hears the outcome.
 void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
-            std::shared_ptr<RankState> state, std::vector<void*> ptrs, const Starter& start,
+            std::shared_ptr<RankState> state, PtrList ptrs, const Starter& start,
             MoeDone done) {
   ptrs.push_back(state.get());
   Completion finish = [state = std::move(state), done = std::move(done)](const Status& st) mutable {
@@ -474,7 +477,7 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
     state.reset();
     done(out);
   };
-  JoinAsync(c.As(opname, p.group_size), std::move(ptrs), p.Sign(opname), std::move(finish),
+  JoinAsync(c.As(opname, p.group_size), ptrs, p.Sign(opname), std::move(finish),
             start);
 }
 
@@ -538,7 +541,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
   GlobalStats().ops++;
 
   enum { kX = 0, kRecv };
-  std::vector<void*> ptrs = {me->rows.in(0), me->rows.out(0)};
+  PtrList ptrs = {me->rows.in(0), me->rows.out(0)};
   Launch(kDispatchName, p, c, std::move(me), std::move(ptrs),
          [p, n, num_e, el, cap, pairs, rb](Slot& s, std::shared_ptr<Job>* job) -> Status {
     std::vector<DispatchRank*> ranks = Ranks<DispatchRank>(s);
@@ -650,7 +653,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   GlobalStats().ops++;
 
   enum { kEy = 0, kW, kSlots, kY };
-  std::vector<void*> ptrs = {me->rows.in(0), const_cast<void*>(weights),
+  PtrList ptrs = {me->rows.in(0), const_cast<void*>(weights),
                              const_cast<int32_t*>(pair_slot), me->rows.out(0)};
   Launch(kCombineName, p, c, std::move(me), std::move(ptrs),
          [p, n, h, k_top, rb, slots_per_rank, all_slots](Slot& s, std::shared_ptr<Job>* job) -> Status {
@@ -765,7 +768,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   GlobalStats().ops++;
 
   enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };
-  std::vector<void*> ptrs = {me->rows.in(0), me->rows.in(1), me->rows.in(2),
+  PtrList ptrs = {me->rows.in(0), me->rows.in(1), me->rows.in(2),
                              const_cast<int32_t*>(pair_slot), const_cast<int32_t*>(slot_source),
                              me->rows.out(0), me->rows.out(1)};
   Launch(kCombineBwdName, p, c, std::move(me), std::move(ptrs),

@@ -51,19 +51,20 @@ Signature OpParams::Sign() const {
   if (!perm.empty()) h.Add(perm.data(), perm.size() * sizeof(int32_t));
   Signature sig;
   sig.hash = h.hash();
-  sig.describe = [p = *this] { return p.Describe(); };
+  // `this` outlives JoinAsync (the caller's parameters), which is all keep needs.
+  sig.keep = [this] { return std::function<std::string()>([p = *this] { return p.Describe(); }); };
   return sig;
 }
 
-std::string OpParams::PlanKey() const {
+void OpParams::PlanKey(std::string* out) const {
   // Raw bytes, not text: the key is built on every op (a 384-rank ppermute's
   // pairs formatted as text cost tens of microseconds).
-  std::string key;
+  std::string& key = *out;
+  key.clear();
   auto put = [&key](const auto& v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
   put(kind), put(dtype), put(op), put(root), put(group_size), put(in_blocks), put(out_blocks);
   put(block_bytes), put(cores), put(engines), put(planner);
   key.append(reinterpret_cast<const char*>(perm.data()), perm.size() * sizeof(int32_t));
-  return key;
 }
 
 void BlockCounts(OpKind kind, int n, int64_t* in_blocks, int64_t* out_blocks) {
@@ -140,7 +141,9 @@ struct Communicator {
   std::vector<std::unique_ptr<CommBuffers>> idle_buffers;
 
   std::shared_ptr<const Plan> GetPlan(const OpParams& p) {
-    std::string key = p.PlanKey();
+    // Built in a buffer each thread keeps: a fresh string per op was an allocation.
+    thread_local std::string key;
+    p.PlanKey(&key);
     std::lock_guard<std::mutex> lock(mu);
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
@@ -367,16 +370,19 @@ int64_t RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::ve
 // is credited with what it moves (the emulated core's or engine's work); the
 // host runs a copy-only plan's resolved moves when it has the whole message,
 // else the chunk's pieces.
-Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, std::vector<int32_t> devices,
+// `devices` is the communicator's list: communicators live as long as the process.
+Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, const std::vector<int32_t>* devices,
                     bool direct) {
   Phase phase;
   phase.count = plan->chunk_starts.size() - 1;
-  phase.run = [plan, v = std::move(v), devices = std::move(devices), direct](uint64_t chunk) {
-    std::vector<Stats::LaneBytes> lane_bytes;
+  phase.run = [plan, v = std::move(v), devices, direct](uint64_t chunk) {
+    // Reused by the thread: a fresh vector grew (allocated) several times per chunk.
+    thread_local std::vector<Stats::LaneBytes> lane_bytes;
+    lane_bytes.clear();
     const bool whole = v.col_lo == 0 && v.col_hi == plan->block_bytes;
     const int64_t written = !plan->moves.empty() && whole
-                                ? RunMoves(*plan, chunk, v, devices, &lane_bytes)
-                                : RunPieces(*plan, chunk, v, devices, &lane_bytes);
+                                ? RunMoves(*plan, chunk, v, *devices, &lane_bytes)
+                                : RunPieces(*plan, chunk, v, *devices, &lane_bytes);
     if (v.streaming) StoreFence();
     Stats& stats = GlobalStats();
     stats.AddLaneBytes(!plan->is_reduction(), plan->lanes_per_npu, lane_bytes);
@@ -388,6 +394,8 @@ Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, std::vector<int32_
 // The ranks' own buffers, as one view for the whole message.
 View DirectView(const Slot& s, const OpParams& p) {
   View v;
+  v.in.reserve(s.n);
+  v.out.reserve(s.n);
   for (int r = 0; r < s.n; ++r) {
     v.in.push_back(static_cast<const char*>(s.ptrs[r][0]));
     v.out.push_back(static_cast<char*>(s.ptrs[r][1]));
@@ -457,7 +465,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
       GlobalStats().bytes_staged += rows * out_blocks * w;
     };
     job->phases.push_back(std::move(stage_in));
-    job->phases.push_back(ExchangePhase(plan, v, s.devices, /*direct=*/false));
+    job->phases.push_back(ExchangePhase(plan, v, &communicator->devices, /*direct=*/false));
     job->phases.push_back(std::move(stage_out));
   }
   return Status::Ok();
@@ -507,7 +515,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
                 else (*job)->on_done = release;
                 return st;
               }
-              Phase exchange = ExchangePhase(comm->GetPlan(p), DirectView(s, p), s.devices, /*direct=*/true);
+              Phase exchange = ExchangePhase(comm->GetPlan(p), DirectView(s, p), &comm->devices, /*direct=*/true);
               if (RunsInline(p)) {
                 for (uint64_t i = 0; i < exchange.count; ++i) exchange.run(i);
               } else {

@@ -39,7 +39,7 @@ struct OpParams {
 
   std::string Describe() const;  // for mismatch errors
   Signature Sign() const;         // what the ranks compare (Describe on mismatch)
-  std::string PlanKey() const;  // everything a plan depends on
+  void PlanKey(std::string* key) const;  // everything a plan depends on, as bytes in *key
 };
 
 // Who is calling, and with which buffers.

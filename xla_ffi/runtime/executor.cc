@@ -144,10 +144,12 @@ class Resumers {
     std::thread([this] { MonitorLoop(); }).detach();
   }
 
-  void Post(std::vector<std::function<void()>> fns) {
+  // Takes (moves out, then clears) the functions of `fns`.
+  void Post(std::vector<std::function<void()>>& fns) {
     if (fns.empty()) return;
     std::unique_lock<SpinLock> lock(mu_);
     for (auto& fn : fns) queue_.push_back(std::move(fn));
+    fns.clear();
     queued_.store(queue_.size(), std::memory_order_release);
     if (monitor_asleep_) {
       monitor_asleep_ = false;
@@ -299,26 +301,24 @@ Resumers& GlobalResumers() {
 }
 // The batch this thread is collecting (see CompletionBatch), or null.
 thread_local std::vector<std::function<void()>>* t_batch = nullptr;
+// What the outermost batch of this thread collects into: kept, so a batch
+// does not grow (allocate) a vector of its own several times per op.
+thread_local std::vector<std::function<void()>> t_batch_fns;
 }  // namespace
 
 void Complete(std::function<void()> fn) {
-  if (t_batch) {
-    t_batch->push_back(std::move(fn));
-    return;
-  }
-  std::vector<std::function<void()>> one;
-  one.push_back(std::move(fn));
-  GlobalResumers().Post(std::move(one));
+  CompletionBatch one;  // the one that is open already, if any, takes it
+  t_batch->push_back(std::move(fn));
 }
 
-CompletionBatch::CompletionBatch() : outer_(t_batch) {
-  if (!outer_) t_batch = &fns_;
+CompletionBatch::CompletionBatch() : outer_(t_batch != nullptr) {
+  if (!outer_) t_batch = &t_batch_fns;
 }
 
 CompletionBatch::~CompletionBatch() {
   if (outer_) return;
   t_batch = nullptr;
-  GlobalResumers().Post(std::move(fns_));
+  GlobalResumers().Post(t_batch_fns);
 }
 
 void Submit(std::shared_ptr<Job> job, bool help) { Global().Submit(std::move(job), help); }

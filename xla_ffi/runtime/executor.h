@@ -56,8 +56,7 @@ class CompletionBatch {
   CompletionBatch& operator=(const CompletionBatch&) = delete;
 
  private:
-  std::vector<std::function<void()>>* outer_;
-  std::vector<std::function<void()>> fns_;
+  bool outer_;  // another batch of this thread is open: that one hands over
 };
 
 }  // namespace strata

@@ -295,7 +295,7 @@ void InstallInterruptHandler() {
   });
 }
 
-void JoinAsync(const Participant& who, std::vector<void*> ptrs, Signature signature,
+void JoinAsync(const Participant& who, const PtrList& ptrs, const Signature& signature,
                Completion done, const Starter& start) {
   std::call_once(g_watchdog_once, [] { std::thread(WatchdogLoop).detach(); });
   std::shared_ptr<Slot> slot;
@@ -367,22 +367,27 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, Signature signat
     return;
   }
   s.present[who.rank] = 1;
-  s.ptrs[who.rank] = std::move(ptrs);
+  s.ptrs[who.rank] = ptrs;
   s.devices[who.rank] = who.device;
-  s.signatures[who.rank] = std::move(signature);
+  s.hashes[who.rank] = signature.hash;
+  if (s.first_in < 0) s.first_in = who.rank;
+  const bool agrees = signature.hash == s.hashes[s.first_in];
+  bool keep = who.rank == s.first_in || !agrees;
+  if (keep && signature.keep) s.descriptions[who.rank] = signature.keep();
+  s.disagree = s.disagree || !agrees;
   s.completions[who.rank] = std::move(done);
   if (++s.arrived < s.n) return;
 
   // Last one in: the group is complete.
   Status st;
-  bool agree = true;
-  for (int r = 1; r < s.n; ++r) agree = agree && s.signatures[r].hash == s.signatures[0].hash;
-  if (!agree) {
+  if (s.disagree) {
+    // Described: the first rank in and every rank that differs from it; the
+    // ranks not listed agree with the first.
     std::ostringstream os;
     os << who.opname << " (call site " << who.site_id << ", group " << who.group_id
-       << "): ranks disagree on the op.\n  rank 0: " << s.signatures[0].describe();
-    for (int r = 1; r < s.n; ++r)
-      if (s.signatures[r].hash != s.signatures[0].hash) os << "\n  rank " << r << ": " << s.signatures[r].describe();
+       << "): ranks disagree on the op (ranks not listed agree with rank " << s.first_in << ").";
+    for (int r = 0; r < s.n; ++r)
+      if (s.descriptions[r]) os << "\n  rank " << r << ": " << s.descriptions[r]();
     st = Status::Error(os.str());
   }
   std::shared_ptr<Job> job;
@@ -396,8 +401,10 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, Signature signat
     Finish(std::move(completions), st);
     return;
   }
+  // Left empty: every later join of this slot is refused before it could
+  // index it (AbortAsyncLocked copes), and refilling it was an allocation.
   std::vector<Completion> completions = std::move(s.completions);
-  s.completions.assign(s.n, nullptr);
+  s.completions.clear();
   lock.unlock();
   if (!job) job = std::make_shared<Job>();
   job->on_done = [slot, completions = std::move(completions), cleanup = std::move(job->on_done)]() mutable {
@@ -413,7 +420,7 @@ void JoinAsync(const Participant& who, std::vector<void*> ptrs, Signature signat
 Signature Signature::Of(std::string text) {
   Signature sig;
   sig.hash = SignatureHasher().Add(text.data(), text.size()).hash();
-  sig.describe = [text = std::move(text)] { return text; };
+  sig.keep = [text = std::move(text)] { return std::function<std::string()>([text] { return text; }); };
   return sig;
 }
 

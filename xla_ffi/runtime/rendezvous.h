@@ -10,7 +10,9 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -54,13 +56,41 @@ inline Participant CallSite::As(const char* opname, int32_t group_size) const {
 }
 
 // What every rank of a group must agree on. Ranks compare the hash as they
-// arrive; the description is built only to report a mismatch (formatting it
-// on every call cost each rank microseconds, 384 times per op).
+// arrive. The description is only for a mismatch report, and building it
+// means copying the op's parameters (a heap allocation per rank per op), so
+// JoinAsync asks `keep` for it only while the caller's parameters are still
+// alive and only for ranks the report can need: the first rank in and any
+// rank whose hash differs from it. Formatting it is left to the report.
 struct Signature {
   uint64_t hash = 0;
-  std::function<std::string()> describe;
+  std::function<std::function<std::string()>()> keep;
   // A signature that is its own description (ops whose text is cheap).
   static Signature Of(std::string text);
+};
+
+// The pointers one rank publishes, held inline: a vector per rank per op was
+// an allocation each. Ops publish at most kMax (MoE's combine backward: 8).
+class PtrList {
+ public:
+  static constexpr size_t kMax = 8;
+  PtrList() = default;
+  PtrList(std::initializer_list<void*> ptrs) {
+    for (void* p : ptrs) push_back(p);
+  }
+  void push_back(void* p) {
+    if (size_ == kMax) std::abort();  // a programming error: raise kMax
+    ptrs_[size_++] = p;
+  }
+  void* operator[](size_t i) const { return ptrs_[i]; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  void* back() const { return ptrs_[size_ - 1]; }
+  void* const* begin() const { return ptrs_; }
+  void* const* end() const { return ptrs_ + size_; }
+
+ private:
+  void* ptrs_[kMax] = {};
+  size_t size_ = 0;
 };
 
 // FNV-1a over the fields that make up a signature, a 64-bit word at a time
@@ -87,15 +117,18 @@ class SignatureHasher {
 };
 
 struct Slot {
-  explicit Slot(int n) : n(n), present(n, 0), ptrs(n), devices(n, -1), signatures(n) {}
+  explicit Slot(int n) : n(n), present(n, 0), ptrs(n), devices(n, -1), hashes(n, 0), descriptions(n) {}
 
   const int n;
   SpinLock mu;
   int arrived = 0;
   std::vector<char> present;
-  std::vector<std::vector<void*>> ptrs;  // what each rank published
+  std::vector<PtrList> ptrs;  // what each rank published
   std::vector<int32_t> devices;
-  std::vector<Signature> signatures;
+  std::vector<uint64_t> hashes;  // each rank's Signature::hash
+  int first_in = -1;             // the rank the others' hashes are compared with
+  bool disagree = false;         // some rank's hash differs from first_in's
+  std::vector<std::function<std::string()>> descriptions;  // kept ones (see Signature)
   bool aborted = false;
   std::string error;
   std::chrono::steady_clock::time_point aborted_at;
@@ -124,7 +157,7 @@ using Starter = std::function<Status(Slot& slot, std::shared_ptr<Job>* job)>;
 // or with the error (ranks disagree, a peer never arrived within
 // who.timeout_s, the starter failed). A watchdog thread enforces timeouts,
 // so no thread ever waits for a peer.
-void JoinAsync(const Participant& who, std::vector<void*> ptrs, Signature signature,
+void JoinAsync(const Participant& who, const PtrList& ptrs, const Signature& signature,
                Completion done, const Starter& start);
 
 // Live (not aborted) slots: 0 once every op has finished.

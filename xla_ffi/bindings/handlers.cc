@@ -26,17 +26,30 @@ ffi::Future Invalid(OpKind kind, const std::string& why) {
   return Failed(ffi_common::Invalid(OpName(kind), why));
 }
 
+// The static attributes, packed into one "params" array in this order by
+// stratacl_jax/_ffi.py (XLA decodes each attribute by name on every call).
+enum CollectiveParam : size_t {
+  kReduceOp, kRoot, kGroupSize, kNumDevices, kBlockBytes, kMode, kCores, kEngines, kPlanner,
+  kCommBufferBytes, kTimeoutMs, kParamCount
+};
+
 // Asynchronous: the handler joins its group and returns a future, so it never
 // holds one of XLA's threads while peers are still on their way (held threads
 // starve the computations those peers must finish first); see Handoff.
 template <OpKind kKind>
 ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                           ffi_common::SiteInstance* instance, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> meta,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t site_id, int32_t reduce_op,
-                          int32_t root, ffi::Span<const int32_t> perm, int32_t group_size,
-                          int32_t num_devices, int64_t block_bytes, int32_t mode, int32_t cores,
-                          int32_t engines, int32_t planner, int64_t comm_buffer_bytes,
-                          int64_t timeout_ms) {
+                          ffi::Result<ffi::AnyBuffer> out, int64_t site_id,
+                          ffi::Span<const int32_t> perm, ffi::Span<const int64_t> params) {
+  if (params.size() != kParamCount)
+    return Invalid(kKind, "params holds " + std::to_string(params.size()) + " values, not " +
+                              std::to_string(kParamCount) + " (a program lowered by another version?)");
+  const int32_t reduce_op = static_cast<int32_t>(params[kReduceOp]);
+  const int32_t root = static_cast<int32_t>(params[kRoot]);
+  const int32_t group_size = static_cast<int32_t>(params[kGroupSize]);
+  const int32_t num_devices = static_cast<int32_t>(params[kNumDevices]);
+  const int64_t block_bytes = params[kBlockBytes];
+  const int64_t timeout_ms = params[kTimeoutMs];
   if (auto err = CheckPool(OpName(kKind), pool, num_devices)) return Failed(std::move(*err));
   std::optional<DType> dtype = ToDType(x.element_type());
   if (!dtype) return Invalid(kKind, "unsupported element type");
@@ -56,11 +69,11 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   p.group_size = group_size;
   BlockCounts(kKind, group_size, &p.in_blocks, &p.out_blocks);
   p.block_bytes = block_bytes;
-  p.mode = static_cast<Mode>(mode);
-  p.cores = cores;
-  p.engines = engines;
-  p.planner = static_cast<Planner>(planner);
-  p.comm_buffer_bytes = comm_buffer_bytes;
+  p.mode = static_cast<Mode>(params[kMode]);
+  p.cores = static_cast<int32_t>(params[kCores]);
+  p.engines = static_cast<int32_t>(params[kEngines]);
+  p.planner = static_cast<Planner>(params[kPlanner]);
+  p.comm_buffer_bytes = params[kCommBufferBytes];
 
   const int64_t in_bytes = static_cast<int64_t>(x.size_bytes());
   const int64_t out_bytes = static_cast<int64_t>(out->size_bytes());
@@ -114,18 +127,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataSiteInstantiate, strata::ffi_common::NewSite
                                     .Arg<ffi::Buffer<ffi::S32>>()     \
                                     .Ret<ffi::AnyBuffer>()            \
                                     .Attr<int64_t>("site_id")         \
-                                    .Attr<int32_t>("reduce_op")       \
-                                    .Attr<int32_t>("root")            \
                                     .Attr<ffi::Span<const int32_t>>("perm") \
-                                    .Attr<int32_t>("group_size")      \
-                                    .Attr<int32_t>("num_devices")     \
-                                    .Attr<int64_t>("block_bytes")     \
-                                    .Attr<int32_t>("mode")            \
-                                    .Attr<int32_t>("cores")           \
-                                    .Attr<int32_t>("engines")         \
-                                    .Attr<int32_t>("planner")         \
-                                    .Attr<int64_t>("comm_buffer_bytes") \
-                                    .Attr<int64_t>("timeout_ms"))
+                                    .Attr<ffi::Span<const int64_t>>("params"))
 
 STRATA_DEFINE_COLLECTIVE(StrataAllReduce, strata::OpKind::kAllReduce);
 STRATA_DEFINE_COLLECTIVE(StrataAllGather, strata::OpKind::kAllGather);

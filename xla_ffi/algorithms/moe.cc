@@ -483,11 +483,7 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
 
 struct DispatchRank : RankState {
   using RankState::RankState;
-  // Each pair's checked expert id and its entry in `entries`.
-  struct Pair {
-    int32_t expert, entry;
-  };
-  std::vector<Pair> pairs;
+  std::vector<int32_t> pair_entry;  // each pair's (checked) expert, as its entry in `entries`
   int32_t *pair_slot = nullptr, *slot_source = nullptr, *recv_counts = nullptr, *dropped = nullptr;
   // The experts this rank routes to, sparse: a dense count of every expert
   // on every rank made the group's layout N x E per op (384 ranks x 768
@@ -531,14 +527,14 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
   me->dropped = dropped;
   // This rank's pairs per expert, and the first bad id (reported by everyone,
   // before anyone touches a peer's buffer). Only this rank's buffers are
-  // read, so it happens before joining. The ids are copied as int32 once
-  // checked: XLA may not reuse topk_idx before we complete, but a copy keeps
-  // the placement phase free of width switches.
+  // read, so it happens before joining. The ids are kept, once checked, as
+  // entries of the rank's expert list: XLA may not reuse topk_idx before we
+  // complete, but the copy keeps the placement phase free of width switches.
   // entry_of[e]: e's entry in me->entries, or -1; kept by the thread and
   // reset after use, so building the sparse list costs O(pairs), not O(E).
   thread_local std::vector<int32_t> entry_of;
   if (entry_of.size() < static_cast<size_t>(num_e)) entry_of.resize(num_e, -1);
-  me->pairs.resize(pairs);
+  me->pair_entry.resize(pairs);
   me->entries.reserve(std::min<int64_t>(pairs, num_e));
   for (int64_t i = 0; i < pairs; ++i) {
     const int64_t e = topk_idx.At(i);
@@ -554,7 +550,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       entry = static_cast<int32_t>(me->entries.size());
       me->entries.push_back({static_cast<int32_t>(e)});
     }
-    me->pairs[i] = {static_cast<int32_t>(e), entry};
+    me->pair_entry[i] = entry;
     me->entries[entry].count++;
   }
   for (const DispatchRank::Entry& entry : me->entries) entry_of[entry.expert] = -1;
@@ -598,8 +594,9 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       int32_t drops = 0;
       const int64_t first_pair = static_cast<int64_t>(rank) * pairs;
       for (int64_t i = 0; i < pairs; ++i) {
-        const int32_t e = me.pairs[i].expert;
-        const int64_t row = me.entries[me.pairs[i].entry].next++;
+        DispatchRank::Entry& entry = me.entries[me.pair_entry[i]];
+        const int32_t e = entry.expert;
+        const int64_t row = entry.next++;
         if (row >= cap) {
           me.pair_slot[i] = -1;
           drops++;
@@ -675,8 +672,8 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   GlobalStats().ops++;
 
   enum { kEy = 0, kW, kSlots, kY };
-  PtrList ptrs = {me->rows.in(0), const_cast<void*>(weights),
-                             const_cast<int32_t*>(pair_slot), me->rows.out(0)};
+  PtrList ptrs = {me->rows.in(0), const_cast<void*>(weights), const_cast<int32_t*>(pair_slot),
+                  me->rows.out(0)};
   Launch(kCombineName, p, c, std::move(me), std::move(ptrs),
          [p, n, h, k_top, rb, slots_per_rank, all_slots](Slot& s, std::shared_ptr<Job>* job) -> Status {
     std::vector<RankState*> ranks = Ranks<RankState>(s);
@@ -791,8 +788,8 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
 
   enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };
   PtrList ptrs = {me->rows.in(0), me->rows.in(1), me->rows.in(2),
-                             const_cast<int32_t*>(pair_slot), const_cast<int32_t*>(slot_source),
-                             me->rows.out(0), me->rows.out(1)};
+                  const_cast<int32_t*>(pair_slot), const_cast<int32_t*>(slot_source),
+                  me->rows.out(0), me->rows.out(1)};
   Launch(kCombineBwdName, p, c, std::move(me), std::move(ptrs),
          [p, n, h, k_top, rb, slots_per_rank, all_slots, pairs](Slot& s, std::shared_ptr<Job>* job) -> Status {
     std::vector<RankState*> ranks = Ranks<RankState>(s);

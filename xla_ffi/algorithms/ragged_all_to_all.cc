@@ -69,8 +69,8 @@ void RaggedAllToAllAsync(const RaggedParams& p, const CallSite& c, const RaggedB
                               " is out of range for a group of " + std::to_string(p.group_size)));
   GlobalStats().ops++;
   PtrList ptrs = {const_cast<void*>(b.operand), b.out,
-                             const_cast<int32_t*>(b.input_offsets), const_cast<int32_t*>(b.send_sizes),
-                             const_cast<int32_t*>(b.output_offsets), const_cast<int32_t*>(b.recv_sizes)};
+                  const_cast<int32_t*>(b.input_offsets), const_cast<int32_t*>(b.send_sizes),
+                  const_cast<int32_t*>(b.output_offsets), const_cast<int32_t*>(b.recv_sizes)};
   JoinAsync(c.As(kName, p.group_size), ptrs, Signature::Of(Describe(p)), std::move(done),
             [p](Slot& s, std::shared_ptr<Job>* job) -> Status {
               auto copies = std::make_shared<std::vector<Copy>>();

@@ -369,10 +369,12 @@ void JoinAsync(const Participant& who, const PtrList& ptrs, const Signature& sig
   s.present[who.rank] = 1;
   s.ptrs[who.rank] = ptrs;
   s.devices[who.rank] = who.device;
-  s.hashes[who.rank] = signature.hash;
-  if (s.first_in < 0) s.first_in = who.rank;
-  const bool agrees = signature.hash == s.hashes[s.first_in];
-  bool keep = who.rank == s.first_in || !agrees;
+  if (s.first_in < 0) {
+    s.first_in = who.rank;
+    s.first_hash = signature.hash;
+  }
+  const bool agrees = signature.hash == s.first_hash;
+  const bool keep = who.rank == s.first_in || !agrees;
   if (keep && signature.keep) s.descriptions[who.rank] = signature.keep();
   s.disagree = s.disagree || !agrees;
   s.completions[who.rank] = std::move(done);

@@ -117,7 +117,7 @@ class SignatureHasher {
 };
 
 struct Slot {
-  explicit Slot(int n) : n(n), present(n, 0), ptrs(n), devices(n, -1), hashes(n, 0), descriptions(n) {}
+  explicit Slot(int n) : n(n), present(n, 0), ptrs(n), devices(n, -1), descriptions(n) {}
 
   const int n;
   SpinLock mu;
@@ -125,9 +125,9 @@ struct Slot {
   std::vector<char> present;
   std::vector<PtrList> ptrs;  // what each rank published
   std::vector<int32_t> devices;
-  std::vector<uint64_t> hashes;  // each rank's Signature::hash
-  int first_in = -1;             // the rank the others' hashes are compared with
-  bool disagree = false;         // some rank's hash differs from first_in's
+  int first_in = -1;        // the rank every later rank's hash is compared with
+  uint64_t first_hash = 0;  // its Signature::hash
+  bool disagree = false;    // some rank's hash differs from it
   std::vector<std::function<std::string()>> descriptions;  // kept ones (see Signature)
   bool aborted = false;
   std::string error;

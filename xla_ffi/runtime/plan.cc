@@ -23,6 +23,27 @@ inline int64_t AlignDown(int64_t v, int64_t a) { return v / a * a; }
 // Bytes read + written per column of a transfer.
 inline int64_t BytesPerColumn(const Transfer& t) { return t.src_count + t.dst_count; }
 
+// Folds `next` into `run` when it is the run's next copy: the same columns,
+// its ranks and blocks one more step along (the first two copies set the step).
+bool ExtendRun(Move& run, const Move& next) {
+  if (next.col != run.col || next.len != run.len) return false;
+  const int32_t s_rank = next.src_rank - run.src_rank, s_block = next.src_block - run.src_block;
+  const int32_t d_rank = next.dst_rank - run.dst_rank, d_block = next.dst_block - run.dst_block;
+  if (run.count == 1) {
+    if (s_rank == 0 && s_block == 0) return false;  // not a stride: keep it a copy of its own
+    run.src_rank_step = s_rank, run.src_block_step = s_block;
+    run.dst_rank_step = d_rank, run.dst_block_step = d_block;
+    run.count = 2;
+    return true;
+  }
+  const int32_t k = run.count;
+  if (s_rank != k * run.src_rank_step || s_block != k * run.src_block_step ||
+      d_rank != k * run.dst_rank_step || d_block != k * run.dst_block_step)
+    return false;
+  run.count++;
+  return true;
+}
+
 }  // namespace
 
 void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
@@ -137,9 +158,10 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
       for (uint32_t pi = task.piece_begin; pi < task.piece_end; ++pi) {
         const Piece& piece = plan.pieces[pi];
         if (piece.col_end <= piece.col_begin) continue;
+        const bool open_in_chunk = plan.moves.size() > plan.move_starts.back();
         // A lane's range that continues the previous one is one move (as
         // ExchangePhase's runs are: a move per source stream, not per lane).
-        if (piece.transfer == last_transfer) {  // set only after a move of this chunk
+        if (piece.transfer == last_transfer && plan.moves.back().count == 1) {  // set only after a move of this chunk
           Move& open = plan.moves.back();
           if (open.col + open.len == piece.col_begin) {
             open.len += piece.col_end - piece.col_begin;
@@ -149,9 +171,10 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
         const Transfer& t = plan.transfers[piece.transfer];
         const BlockRef& src = plan.refs[t.src_begin];
         const BlockRef& dst = plan.refs[t.dst_begin];
-        plan.moves.push_back({src.rank, src.block, dst.rank, dst.block, piece.col_begin,
-                              piece.col_end - piece.col_begin});
+        Move next{src.rank, src.block, dst.rank, dst.block, piece.col_begin, piece.col_end - piece.col_begin};
         last_transfer = piece.transfer;
+        if (open_in_chunk && ExtendRun(plan.moves.back(), next)) continue;
+        plan.moves.push_back(next);
       }
     }
   }

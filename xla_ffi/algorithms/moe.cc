@@ -133,11 +133,19 @@ void WithFloatType(DType dtype, Fn&& fn) {
 }
 
 Status CheckCall(const char* opname, const MoeParams& p, const MoeCall& c) {
+  // The common case first, without a string stream (one was an allocation
+  // per rank per op).
+  const bool rank_ok = c.rank >= 0 && c.rank < p.group_size;
+  const bool experts_ok = p.num_experts >= p.group_size && p.num_experts % p.group_size == 0;
+  if (rank_ok && experts_ok && p.capacity >= 1 &&
+      static_cast<int64_t>(p.num_experts) * p.capacity <= INT32_MAX &&
+      p.group_size * p.tokens * p.topk <= INT32_MAX)
+    return Status::Ok();
   std::ostringstream os;
   os << opname << ": ";
-  if (c.rank < 0 || c.rank >= p.group_size)
+  if (!rank_ok)
     os << "rank " << c.rank << " is out of range for a group of " << p.group_size;
-  else if (p.num_experts < p.group_size || p.num_experts % p.group_size != 0)
+  else if (!experts_ok)
     os << "num_experts=" << p.num_experts << " must be a positive multiple of the group size "
        << p.group_size;
   else if (p.capacity < 1)
@@ -263,10 +271,26 @@ class RowBuffers {
     int64_t bytes;
   };
 
-  RowBuffers(const char* opname, const MoeParams& p, int device, std::vector<In> ins,
-             std::vector<Out> outs)
+  // Held inline (at most the combine backward's 3 in, 2 out): two vectors
+  // were two allocations per rank per op.
+  static constexpr size_t kMaxIns = 3, kMaxOuts = 2;
+  template <typename T, size_t kMax>
+  struct Few {
+    Few(std::initializer_list<T> items) : count(std::min(items.size(), kMax)) {
+      std::copy_n(items.begin(), count, at);
+    }
+    const T* begin() const { return at; }
+    const T* end() const { return at + count; }
+    const T& operator[](size_t i) const { return at[i]; }
+    size_t size() const { return count; }
+    T at[kMax] = {};
+    size_t count;
+  };
+
+  RowBuffers(const char* opname, const MoeParams& p, int device, std::initializer_list<In> ins,
+             std::initializer_list<Out> outs)
       : opname_(opname), staged_(p.mode == Mode::kBufferCentric), limit_(p.comm_buffer_bytes),
-        device_(device), ins_(std::move(ins)), outs_(std::move(outs)) {
+        device_(device), ins_(ins), outs_(outs) {
     for (const In& in : ins_) in_bytes_ += Align(in.bytes);
     for (const Out& out : outs_) out_bytes_ += Align(out.bytes);
     if (!staged_) {
@@ -354,8 +378,8 @@ class RowBuffers {
   bool staged_;
   int64_t limit_;
   int device_;
-  std::vector<In> ins_;
-  std::vector<Out> outs_;
+  Few<In, kMaxIns> ins_;
+  Few<Out, kMaxOuts> outs_;
   int64_t in_bytes_ = 0, out_bytes_ = 0;
   StagingPool::Buffer* in_ = nullptr;
   StagingPool::Buffer* out_ = nullptr;
@@ -365,9 +389,9 @@ class RowBuffers {
 // One rank's part of an op in flight. It lives until the group's job is over
 // (peers read its comm buffers until then); then the rank's completion runs.
 struct RankState {
-  RankState(const char* opname, const MoeParams& p, int device, std::vector<RowBuffers::In> ins,
-            std::vector<RowBuffers::Out> outs)
-      : rows(opname, p, device, std::move(ins), std::move(outs)) {}
+  RankState(const char* opname, const MoeParams& p, int device,
+            std::initializer_list<RowBuffers::In> ins, std::initializer_list<RowBuffers::Out> outs)
+      : rows(opname, p, device, ins, outs) {}
   virtual ~RankState() = default;
 
   RowBuffers rows;
@@ -377,6 +401,8 @@ struct RankState {
   // What this rank found wrong in its own operands before joining (a bad
   // expert id, a layout value out of range), if anything.
   std::string bad;
+  // The rank's own completion, run once the state is gone (see Launch).
+  MoeDone done;
 };
 
 // The prefix every MoE error carries: which op, where, which rank.
@@ -469,12 +495,18 @@ std::vector<R*> Ranks(const Slot& s) {
 // `ptrs` and kept until the group's job is over, then dropped (its comm
 // buffers go back to the pool) before `done` hears the outcome.
 void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
-            std::shared_ptr<RankState> state, PtrList ptrs, const Starter& start,
+            std::unique_ptr<RankState> state, PtrList ptrs, const Starter& start,
             MoeDone done) {
   ptrs.push_back(state.get());
-  Completion finish = [state = std::move(state), done = std::move(done)](const Status& st) mutable {
-    Status out = st.ok && !state->error.empty() ? Status::Error(state->error) : st;
-    state.reset();
+  state->done = std::move(done);
+  // The completion owns the state through a plain pointer (it runs exactly
+  // once): a lambda holding a shared_ptr and the done function did not fit
+  // std::function's inline buffer, an allocation per rank per op.
+  Completion finish = [raw = state.release()](const Status& st) {
+    std::unique_ptr<RankState> owned(raw);
+    const Status out = st.ok && !owned->error.empty() ? Status::Error(owned->error) : st;
+    MoeDone done = std::move(owned->done);
+    owned.reset();
     done(out);
   };
   JoinAsync(c.As(opname, p.group_size), ptrs, p.Sign(opname), std::move(finish),
@@ -483,7 +515,8 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
 
 struct DispatchRank : RankState {
   using RankState::RankState;
-  std::vector<int32_t> pair_entry;  // each pair's (checked) expert, as its entry in `entries`
+  // Until the placement phase, pair_slot[i] holds pair i's (checked) expert as
+  // its entry in `entries`: the rank's own output, so no buffer of its own.
   int32_t *pair_slot = nullptr, *slot_source = nullptr, *recv_counts = nullptr, *dropped = nullptr;
   // The experts this rank routes to, sparse: a dense count of every expert
   // on every rank made the group's layout N x E per op (384 ranks x 768
@@ -513,14 +546,13 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
   if (!st.ok) return done(st);
   if (model::TraceEnabled())
     done = model::TraceMoe(model::kMoeDispatch, p, c, pair_slot, p.tokens * p.topk, true, std::move(done));
-  const int n = p.group_size;
   const int32_t num_e = p.num_experts;
   const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
   const int64_t rb = p.row_bytes();
 
-  auto me = std::make_shared<DispatchRank>(kDispatchName, p, c.device,
-                                           std::vector<RowBuffers::In>{{x, p.tokens * rb}},
-                                           std::vector<RowBuffers::Out>{{recv_x, el * cap * rb}});
+  auto me = std::make_unique<DispatchRank>(kDispatchName, p, c.device,
+                                           std::initializer_list<RowBuffers::In>{{x, p.tokens * rb}},
+                                           std::initializer_list<RowBuffers::Out>{{recv_x, el * cap * rb}});
   me->pair_slot = pair_slot;
   me->slot_source = slot_source;
   me->recv_counts = recv_counts;
@@ -534,7 +566,6 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
   // reset after use, so building the sparse list costs O(pairs), not O(E).
   thread_local std::vector<int32_t> entry_of;
   if (entry_of.size() < static_cast<size_t>(num_e)) entry_of.resize(num_e, -1);
-  me->pair_entry.resize(pairs);
   me->entries.reserve(std::min<int64_t>(pairs, num_e));
   for (int64_t i = 0; i < pairs; ++i) {
     const int64_t e = topk_idx.At(i);
@@ -550,7 +581,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       entry = static_cast<int32_t>(me->entries.size());
       me->entries.push_back({static_cast<int32_t>(e)});
     }
-    me->pair_entry[i] = entry;
+    me->pair_slot[i] = entry;
     me->entries[entry].count++;
   }
   for (const DispatchRank::Entry& entry : me->entries) entry_of[entry.expert] = -1;
@@ -561,8 +592,15 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
 
   enum { kX = 0, kRecv };
   PtrList ptrs = {me->rows.in(0), me->rows.out(0)};
+  // The starter runs inside some rank's JoinAsync, while that rank's `p` is
+  // alive; capturing it by reference keeps the lambda in std::function's
+  // inline buffer (a copy of MoeParams was an allocation per rank per op).
   Launch(kDispatchName, p, c, std::move(me), std::move(ptrs),
-         [p, n, num_e, el, cap, pairs, rb](Slot& s, std::shared_ptr<Job>* job) -> Status {
+         [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
+    const int n = p.group_size;
+    const int32_t num_e = p.num_experts;
+    const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
+    const int64_t rb = p.row_bytes();
     std::vector<DispatchRank*> ranks = Ranks<DispatchRank>(s);
     auto layout = std::make_shared<DispatchLayout>();
     layout->total.assign(num_e, 0);
@@ -594,7 +632,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       int32_t drops = 0;
       const int64_t first_pair = static_cast<int64_t>(rank) * pairs;
       for (int64_t i = 0; i < pairs; ++i) {
-        DispatchRank::Entry& entry = me.entries[me.pair_entry[i]];
+        DispatchRank::Entry& entry = me.entries[me.pair_slot[i]];
         const int32_t e = entry.expert;
         const int64_t row = entry.next++;
         if (row >= cap) {
@@ -660,12 +698,11 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   if (!MoeSupportsCombine(p.dtype))
     return done(Status::Error(std::string(kCombineName) + ": rows must be a float type, got " +
                               DTypeName(p.dtype)));
-  const int n = p.group_size;
-  const int64_t el = p.local_experts(), cap = p.capacity, h = p.hidden, k_top = p.topk;
-  const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
-  auto me = std::make_shared<RankState>(kCombineName, p, c.device,
-                                        std::vector<RowBuffers::In>{{expert_y, slots_per_rank * rb}},
-                                        std::vector<RowBuffers::Out>{{y, p.tokens * rb}});
+  const int64_t el = p.local_experts(), cap = p.capacity, k_top = p.topk;
+  const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = p.group_size * slots_per_rank;
+  auto me = std::make_unique<RankState>(kCombineName, p, c.device,
+                                        std::initializer_list<RowBuffers::In>{{expert_y, slots_per_rank * rb}},
+                                        std::initializer_list<RowBuffers::Out>{{y, p.tokens * rb}});
   me->bad = CheckLayout(kCombineName, p, c, "pair_slot", pair_slot, p.tokens * k_top, all_slots);
   st = me->rows.Acquire();
   if (!st.ok) return done(st);
@@ -674,8 +711,11 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   enum { kEy = 0, kW, kSlots, kY };
   PtrList ptrs = {me->rows.in(0), const_cast<void*>(weights), const_cast<int32_t*>(pair_slot),
                   me->rows.out(0)};
-  Launch(kCombineName, p, c, std::move(me), std::move(ptrs),
-         [p, n, h, k_top, rb, slots_per_rank, all_slots](Slot& s, std::shared_ptr<Job>* job) -> Status {
+  Launch(kCombineName, p, c, std::move(me), std::move(ptrs),  // &p: see dispatch
+         [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
+    const int n = p.group_size;
+    const int64_t h = p.hidden, k_top = p.topk, rb = p.row_bytes();
+    const int64_t slots_per_rank = p.local_experts() * p.capacity, all_slots = n * slots_per_rank;
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     const bool direct = ranks[0]->rows.direct();
@@ -696,7 +736,8 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
         const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
         T* out = static_cast<T*>(ptrs[task.rank][kY]);
-        std::vector<A> acc(h);
+        thread_local std::vector<A> acc;  // the thread's: one per task was an allocation
+        acc.resize(h);
         int64_t rows = 0;
         for (int64_t t = task.first; t < task.end; ++t) {
           std::fill(acc.begin(), acc.end(), A(0));
@@ -774,10 +815,10 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
   const int64_t pairs = p.tokens * p.topk;
   const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
-  auto me = std::make_shared<RankState>(
+  auto me = std::make_unique<RankState>(
       kCombineBwdName, p, c.device,
-      std::vector<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}, {weights, pairs * wsize}},
-      std::vector<RowBuffers::Out>{{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
+      std::initializer_list<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}, {weights, pairs * wsize}},
+      std::initializer_list<RowBuffers::Out>{{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
   me->bad = CheckLayout(kCombineBwdName, p, c, "pair_slot", pair_slot, pairs, all_slots);
   if (me->bad.empty())
     me->bad = CheckLayout(kCombineBwdName, p, c, "slot_source", slot_source, slots_per_rank,

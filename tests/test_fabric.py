@@ -162,6 +162,25 @@ def test_balanced_planner_vs_naive_split(kind, name):
     assert sum(map(sum, balanced["lane_bytes"])) == sum(map(sum, naive["lane_bytes"]))
 
 
+@pytest.mark.parametrize("n,block,rows,dtype", [(96, 4, 1, 0), (96, 2, 3, 3), (40, 8, 1, 1), (33, 12, 2, 7)])
+def test_strided_moves_all_to_all_matches_numpy(n, block, rows, dtype):
+    """Many ranks of tiny blocks: each destination's pulls fold into a few strided
+    moves (not one per source), and executing them still puts every block in place.
+    Ranks are threads, so the group can be larger than the mesh."""
+    info = _core.plan_info(3, dtype, 4, n, block, 4, 0)
+    assert info["copies"] == n * n
+    assert info["moves"] <= 2 * n  # the wrap of the d, d+1, ... source order splits a run in two
+    rng = np.random.default_rng(n * block + rows)
+    inputs = [rng.integers(0, 256, rows * n * block, dtype=np.uint8) for _ in range(n)]
+    outputs = [np.full(rows * n * block, 7, np.uint8) for _ in range(n)]
+    errors = _core.run_ranks(3, dtype, 4, 0, [], [block] * n, rows, 0, 4, 4, 0, 1 << 20, 30.0,
+                             4242, int(rng.integers(1, 1 << 40)), inputs, outputs, [])
+    assert errors == [""] * n
+    sent = np.stack([i.reshape(rows, n, block) for i in inputs])  # [src, row, dst, :]
+    for d in range(n):
+        np.testing.assert_array_equal(outputs[d].reshape(rows, n, block), sent[:, :, d].transpose(1, 0, 2))
+
+
 def test_naive_planner_gives_the_same_results(mesh8):
     x = random_array(np.random.default_rng(7), (8 * 8, 3001), np.float32)
     with strata.config(planner="naive"):

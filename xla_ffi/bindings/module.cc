@@ -143,6 +143,11 @@ nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t bl
   d["lane_bytes"] = lane_bytes;
   d["transfers"] = plan.transfers.size();
   d["tasks"] = plan.tasks.size();
+  // The host's resolved copies of a copy-only plan, and how many moves hold them.
+  int64_t copies = 0;
+  for (const Move& m : plan.moves) copies += m.count;
+  d["moves"] = plan.moves.size();
+  d["copies"] = copies;
   return d;
 }
 

@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -276,7 +277,8 @@ class RowBuffers {
   static constexpr size_t kMaxIns = 3, kMaxOuts = 2;
   template <typename T, size_t kMax>
   struct Few {
-    Few(std::initializer_list<T> items) : count(std::min(items.size(), kMax)) {
+    Few(std::initializer_list<T> items) : count(items.size()) {
+      assert(count <= kMax && "RowBuffers: raise kMaxIns / kMaxOuts");
       std::copy_n(items.begin(), count, at);
     }
     const T* begin() const { return at; }
@@ -559,9 +561,9 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
   me->dropped = dropped;
   // This rank's pairs per expert, and the first bad id (reported by everyone,
   // before anyone touches a peer's buffer). Only this rank's buffers are
-  // read, so it happens before joining. The ids are kept, once checked, as
-  // entries of the rank's expert list: XLA may not reuse topk_idx before we
-  // complete, but the copy keeps the placement phase free of width switches.
+  // read, so it happens before joining. Each checked id is kept as its entry
+  // in the rank's expert list, in pair_slot: XLA may not reuse topk_idx before
+  // we complete, but the entry keeps the placement phase free of width switches.
   // entry_of[e]: e's entry in me->entries, or -1; kept by the thread and
   // reset after use, so building the sparse list costs O(pairs), not O(E).
   thread_local std::vector<int32_t> entry_of;
@@ -811,7 +813,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
     return done(Status::Error(std::string(kCombineBwdName) + ": rows must be a float type, got " +
                               DTypeName(p.dtype)));
   const int n = p.group_size;
-  const int64_t el = p.local_experts(), cap = p.capacity, h = p.hidden, k_top = p.topk;
+  const int64_t el = p.local_experts(), cap = p.capacity;
   const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
   const int64_t pairs = p.tokens * p.topk;
   const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
@@ -831,8 +833,11 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   PtrList ptrs = {me->rows.in(0), me->rows.in(1), me->rows.in(2),
                   const_cast<int32_t*>(pair_slot), const_cast<int32_t*>(slot_source),
                   me->rows.out(0), me->rows.out(1)};
-  Launch(kCombineBwdName, p, c, std::move(me), std::move(ptrs),
-         [p, n, h, k_top, rb, slots_per_rank, all_slots, pairs](Slot& s, std::shared_ptr<Job>* job) -> Status {
+  Launch(kCombineBwdName, p, c, std::move(me), std::move(ptrs),  // &p: see dispatch
+         [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
+    const int n = p.group_size;
+    const int64_t h = p.hidden, k_top = p.topk, rb = p.row_bytes(), pairs = p.tokens * p.topk;
+    const int64_t slots_per_rank = p.local_experts() * p.capacity, all_slots = n * slots_per_rank;
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     // In range is not enough: the two fields must describe one layout, or a

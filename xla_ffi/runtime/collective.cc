@@ -336,10 +336,7 @@ int64_t RunMoves(const Plan& plan, uint64_t chunk, const View& v, const std::vec
   int64_t written = 0;
   for (uint32_t i = plan.move_starts[chunk]; i < plan.move_starts[chunk + 1]; ++i) {
     const Move& m = plan.moves[i];
-    if (m.count == 1) {
-      CopyRows(v.out[m.dst_rank] + m.dst_block * v.block_stride + m.col,
-               v.in[m.src_rank] + m.src_block * v.block_stride + m.col, m.len, v);
-    } else if (v.rows == 1 && m.len == 4) {
+    if (v.rows == 1 && m.len == 4) {
       RunStrided<4>(m, v);  // a 384-rank all_to_all of floats: keep the loop tight
     } else if (v.rows == 1 && m.len == 8) {
       RunStrided<8>(m, v);

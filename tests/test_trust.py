@@ -216,7 +216,10 @@ def test_skipped_op_is_named_by_the_rank_that_went_on(mesh8):
 # 5. Exit and SIGINT do not wait for a pending op ----------------------------------------------
 
 PENDING_SCRIPT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C live, as in a terminal: a runner started with nohup or & hands its children
+    # SIGINT ignored, and then nothing (strata included) may act on it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     import stratacl_jax as strata
     strata.emulator.ensure_devices(8)

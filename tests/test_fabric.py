@@ -181,6 +181,38 @@ def test_strided_moves_all_to_all_matches_numpy(n, block, rows, dtype):
         np.testing.assert_array_equal(outputs[d].reshape(rows, n, block), sent[:, :, d].transpose(1, 0, 2))
 
 
+@pytest.mark.parametrize("kind,n,block,rows,dtype", [
+    (1, 96, 4, 1, 0), (1, 70, 12, 3, 7), (1, 8, 65536, 1, 0), (1, 33, 6, 2, 3),
+    (4, 96, 1024, 1, 0), (4, 41, 10, 3, 1)])
+def test_pulled_fan_out_copies_match_numpy(kind, n, block, rows, dtype):
+    """all_gather (kind 1) and broadcast (kind 4) whose sources fit in cache run
+    destination by destination (one strided move per destination's run); every
+    output still holds exactly what numpy says. Ranks are threads."""
+    info = _core.plan_info(kind, dtype, 4, n, block, 4, 0)
+    assert info["copies"] == n * (n if kind == 1 else 1)
+    assert info["moves"] <= 2 * n  # a run per destination, cut at most once by a chunk boundary
+    root = n // 3 if kind == 4 else 0
+    rng = np.random.default_rng(n * block + rows + kind)
+    inputs = [rng.integers(0, 256, rows * block, dtype=np.uint8) for _ in range(n)]
+    out_blocks = n if kind == 1 else 1
+    outputs = [np.full(rows * out_blocks * block, 7, np.uint8) for _ in range(n)]
+    errors = _core.run_ranks(kind, dtype, 4, root, [], [block] * n, rows, 0, 4, 4, 0, 1 << 20, 30.0,
+                             4343 + kind, int(rng.integers(1, 1 << 40)), inputs, outputs, [])
+    assert errors == [""] * n
+    if kind == 1:
+        want = np.stack([i.reshape(rows, block) for i in inputs], axis=1)  # [row, src, :]
+    else:
+        want = inputs[root].reshape(rows, 1, block)
+    for d in range(n):
+        np.testing.assert_array_equal(outputs[d].reshape(rows, out_blocks, block), want)
+
+
+def test_large_fan_out_keeps_source_major_strips():
+    """Sources beyond the pull limit (1 MiB in all) are read once each, not once per destination."""
+    assert _core.plan_info(1, 0, 4, 8, 262144, 4, 0)["moves"] == 0
+    assert _core.plan_info(1, 0, 4, 8, 131072, 4, 0)["moves"] == 8
+
+
 def test_naive_planner_gives_the_same_results(mesh8):
     x = random_array(np.random.default_rng(7), (8 * 8, 3001), np.float32)
     with strata.config(planner="naive"):

@@ -44,6 +44,47 @@ bool ExtendRun(Move& run, const Move& next) {
   return true;
 }
 
+// A fan-out copy whose sources fit in cache (all_gather or broadcast of small
+// blocks), as moves destination by destination: each output is written as
+// one sequential run while the sources stay cached. Source by source (the
+// pieces' order), a 1 KB all_gather over 384 ranks writes 1 KB into each of
+// 384 outputs in turn: 22.8 ms per op chained, 15.5 pulled. The moves are
+// dealt over the plan's host chunks by bytes,
+// so the host's parallelism and the lanes' credits (per chunk) are unchanged.
+void PullMoves(Plan& plan) {
+  const int64_t m = plan.block_bytes;
+  const uint64_t chunks = plan.chunk_starts.size() - 1;
+  if (m <= 0 || chunks == 0) return;
+  struct Copy {
+    BlockRef dst, src;
+  };
+  std::vector<Copy> copies;
+  for (const Transfer& t : plan.transfers)
+    for (uint32_t k = 0; k < t.dst_count; ++k)
+      copies.push_back({plan.refs[t.dst_begin + k], plan.refs[t.src_begin]});
+  std::stable_sort(copies.begin(), copies.end(), [](const Copy& a, const Copy& b) {
+    return a.dst.rank != b.dst.rank ? a.dst.rank < b.dst.rank : a.dst.block < b.dst.block;
+  });
+  // Bytes per chunk: a run is cut there, so no chunk gets much more than its share.
+  const int64_t total = static_cast<int64_t>(copies.size()) * m;
+  const int64_t share = std::max<int64_t>(m, (total + static_cast<int64_t>(chunks) - 1) / static_cast<int64_t>(chunks));
+  int64_t in_chunk = share;  // the first copy opens chunk 0
+  for (const Copy& c : copies) {
+    const Move next{c.src.rank, c.src.block, c.dst.rank, c.dst.block, 0, m};
+    if (in_chunk + m > share && plan.move_starts.size() < chunks) {
+      plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
+      in_chunk = 0;
+    } else if (ExtendRun(plan.moves.back(), next)) {
+      in_chunk += m;
+      continue;
+    }
+    plan.moves.push_back(next);
+    in_chunk += m;
+  }
+  while (plan.move_starts.size() < chunks) plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
+  plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
+}
+
 }  // namespace
 
 void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
@@ -142,14 +183,19 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
   }
   plan.chunk_starts.push_back(static_cast<uint32_t>(plan.tasks.size()));
 
-  // 4. Moves, when the plan is only 1 -> 1 copies.
+  // 4. Moves, when the plan is only 1 -> 1 copies, or a small fan-out copy.
   plan.moves.clear();
   plan.move_starts.clear();
-  const bool one_to_one = !plan.is_reduction() && !plan.transfers.empty() &&
-                          std::all_of(plan.transfers.begin(), plan.transfers.end(), [](const Transfer& t) {
-                            return t.src_count == 1 && t.dst_count == 1;
-                          });
-  if (!one_to_one) return;
+  const bool one_source = !plan.is_reduction() && !plan.transfers.empty() &&
+                          std::all_of(plan.transfers.begin(), plan.transfers.end(),
+                                      [](const Transfer& t) { return t.src_count == 1 && t.dst_count >= 1; });
+  if (!one_source) return;
+  const bool one_to_one = std::all_of(plan.transfers.begin(), plan.transfers.end(),
+                                      [](const Transfer& t) { return t.dst_count == 1; });
+  if (!one_to_one) {
+    if (static_cast<int64_t>(plan.transfers.size()) * m <= kPullSourceBytes) PullMoves(plan);
+    return;
+  }
   for (size_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) {
     plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
     uint32_t last_transfer = UINT32_MAX;

@@ -77,7 +77,8 @@ struct Plan {
   std::vector<uint32_t> chunk_starts;
   // When every transfer is a plain 1 -> 1 copy (all_to_all, ppermute): the
   // host's moves, chunk i's being [move_starts[i], move_starts[i+1]), in the
-  // order and with the merged runs the pieces would give. The host runs
+  // order and with the merged runs the pieces would give. A small fan-out
+  // copy (kPullSourceBytes) gets them too, destination by destination. The host runs
   // these instead of walking pieces, transfers and refs: a 1 KB all_to_all
   // over 384 ranks is 147k copies of 4 bytes, where that walk (five dependent
   // loads a copy) cost more than the copies; as strided moves it is 768.
@@ -97,6 +98,11 @@ struct Plan {
 // lane (index mod lanes), which is what a per-peer loop does. Lanes carry at
 // least `min_lane_bytes` so tiny messages do not fan out into empty work.
 constexpr int64_t kHostChunkBytes = 1 << 20;
+// A fan-out copy (all_gather, broadcast) whose sources total at most this is
+// run by the host destination by destination (Plan::moves): the sources stay
+// in cache while each output is written in one sequential run. Above it a
+// pull would read every source from memory once per destination.
+constexpr int64_t kPullSourceBytes = 1 << 20;
 void Partition(Plan& plan, int lanes, Planner planner, int64_t align = 64,
                int64_t min_lane_bytes = 16384, int64_t host_chunk_bytes = kHostChunkBytes);
 

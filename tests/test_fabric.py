@@ -162,6 +162,15 @@ def test_balanced_planner_vs_naive_split(kind, name):
     assert sum(map(sum, balanced["lane_bytes"])) == sum(map(sum, naive["lane_bytes"]))
 
 
+def _run_copy_as_threads(kind, dtype, root, block, rows, site, rng, inputs, outputs):
+    """One copy-only op (no reduction) over len(inputs) ranks run as threads,
+    strata mode, 4 lanes, the balanced planner; every rank must succeed."""
+    n = len(inputs)
+    errors = _core.run_ranks(kind, dtype, 4, root, [], [block] * n, rows, 0, 4, 4, 0, 1 << 20, 30.0,
+                             site, int(rng.integers(1, 1 << 40)), inputs, outputs, [])
+    assert errors == [""] * n
+
+
 @pytest.mark.parametrize("n,block,rows,dtype", [(96, 4, 1, 0), (96, 2, 3, 3), (40, 8, 1, 1), (33, 12, 2, 7)])
 def test_strided_moves_all_to_all_matches_numpy(n, block, rows, dtype):
     """Many ranks of tiny blocks: each destination's pulls fold into a few strided
@@ -173,9 +182,7 @@ def test_strided_moves_all_to_all_matches_numpy(n, block, rows, dtype):
     rng = np.random.default_rng(n * block + rows)
     inputs = [rng.integers(0, 256, rows * n * block, dtype=np.uint8) for _ in range(n)]
     outputs = [np.full(rows * n * block, 7, np.uint8) for _ in range(n)]
-    errors = _core.run_ranks(3, dtype, 4, 0, [], [block] * n, rows, 0, 4, 4, 0, 1 << 20, 30.0,
-                             4242, int(rng.integers(1, 1 << 40)), inputs, outputs, [])
-    assert errors == [""] * n
+    _run_copy_as_threads(3, dtype, 0, block, rows, 4242, rng, inputs, outputs)
     sent = np.stack([i.reshape(rows, n, block) for i in inputs])  # [src, row, dst, :]
     for d in range(n):
         np.testing.assert_array_equal(outputs[d].reshape(rows, n, block), sent[:, :, d].transpose(1, 0, 2))
@@ -196,9 +203,7 @@ def test_pulled_fan_out_copies_match_numpy(kind, n, block, rows, dtype):
     inputs = [rng.integers(0, 256, rows * block, dtype=np.uint8) for _ in range(n)]
     out_blocks = n if kind == 1 else 1
     outputs = [np.full(rows * out_blocks * block, 7, np.uint8) for _ in range(n)]
-    errors = _core.run_ranks(kind, dtype, 4, root, [], [block] * n, rows, 0, 4, 4, 0, 1 << 20, 30.0,
-                             4343 + kind, int(rng.integers(1, 1 << 40)), inputs, outputs, [])
-    assert errors == [""] * n
+    _run_copy_as_threads(kind, dtype, root, block, rows, 4343 + kind, rng, inputs, outputs)
     if kind == 1:
         want = np.stack([i.reshape(rows, block) for i in inputs], axis=1)  # [row, src, :]
     else:

@@ -49,8 +49,8 @@ bool ExtendRun(Move& run, const Move& next) {
 // one sequential run while the sources stay cached. Source by source (the
 // pieces' order), a 1 KB all_gather over 384 ranks writes 1 KB into each of
 // 384 outputs in turn: 22.8 ms per op chained, 15.5 pulled. The moves are
-// dealt over the plan's host chunks by bytes,
-// so the host's parallelism and the lanes' credits (per chunk) are unchanged.
+// dealt over the plan's host chunks by bytes, so the host's parallelism and
+// the lanes' credits (per chunk) are unchanged.
 void PullMoves(Plan& plan) {
   const int64_t m = plan.block_bytes;
   const uint64_t chunks = plan.chunk_starts.size() - 1;

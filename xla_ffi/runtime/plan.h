@@ -78,8 +78,8 @@ struct Plan {
   // When every transfer is a plain 1 -> 1 copy (all_to_all, ppermute): the
   // host's moves, chunk i's being [move_starts[i], move_starts[i+1]), in the
   // order and with the merged runs the pieces would give. A small fan-out
-  // copy (kPullSourceBytes) gets them too, destination by destination. The host runs
-  // these instead of walking pieces, transfers and refs: a 1 KB all_to_all
+  // copy (kPullSourceBytes) gets them too, destination by destination. The
+  // host runs these instead of walking pieces, transfers and refs: a 1 KB all_to_all
   // over 384 ranks is 147k copies of 4 bytes, where that walk (five dependent
   // loads a copy) cost more than the copies; as strided moves it is 768.
   std::vector<Move> moves;

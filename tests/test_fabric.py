@@ -269,6 +269,43 @@ print("checked", checked)
 """
 
 
+def _sysfs_last_level_cache_bytes():
+    """cpu0's deepest data cache in sysfs, in bytes (None where sysfs has none)."""
+    import glob
+    import os
+
+    best = None
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            level = int(open(os.path.join(d, "level")).read())
+            kind = open(os.path.join(d, "type")).read().strip()
+            size = open(os.path.join(d, "size")).read().strip()
+        except OSError:
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+        value = int(size.rstrip("KMG")) * scale
+        if best is None or level >= best[0]:
+            best = (level, value)
+    return None if best is None else best[1]
+
+
+def test_streaming_threshold_is_half_the_cache_a_core_shares():
+    # Outputs above half the last-level cache are streamed. The size comes
+    # from sysfs: glibc's sysconf reported 320 MiB (the host's) on 32 MiB VMs.
+    import os
+
+    if "STRATA_STREAM_BYTES" in os.environ:
+        pytest.skip("STRATA_STREAM_BYTES overrides the default")
+    llc = _sysfs_last_level_cache_bytes()
+    if llc is None:
+        pytest.skip("no cache description in sysfs")
+    previous = _core.set_streaming_threshold_bytes(-1)  # -1: back to the default
+    default = _core.set_streaming_threshold_bytes(previous)
+    assert default == llc // 2, (default, llc)
+
+
 def test_streaming_stores_forced_on_match_lax():
     # STRATA_STREAM_BYTES=0 streams every store: odd sizes exercise the
     # unaligned head and the tail of the non-temporal copy, reductions their

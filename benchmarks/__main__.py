@@ -173,7 +173,9 @@ def tour_summary(reports: dict, npus: int) -> str:
                 lines.append(f"  small {r['op']:<13} {r['npus']} NPUs {r['size']} B {r['pattern']}: "
                              f"{r['per_op_us']:.1f} us per op{vs} (floors: copy call "
                              f"{r['copy_floor_us']:.1f} us, barrier {r['barrier_floor_us']:.1f} us, "
-                             f"async meet {r['meet_floor_us']:.1f} us)")
+                             f"async meet {r['meet_floor_us']:.1f} us"
+                             + (f", out fill {r['fill_floor_us']:.1f} us" if r.get("fill_floor_us") is not None else "")
+                             + ")")
     return "\n".join(lines)
 
 

@@ -145,8 +145,9 @@ def _moe_step(impl, strata, ax, n, idx, weights, capacity):
 
 
 def ref_step(kind: str, ax: str, n: int) -> Callable:
-    """The floors: a custom call that copies, one that meets the group in a blocking barrier,
-    or one that meets it asynchronously as strata's ops do (meet)."""
+    """The floors: a custom call that copies (fill: into an output N times its input, as an
+    all_gather's), one that meets the group in a blocking barrier, or one that meets it
+    asynchronously as strata's ops do (meet)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -156,6 +157,9 @@ def ref_step(kind: str, ax: str, n: int) -> Callable:
     def step(x):
         if kind == "copy":
             return jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+        if kind == "fill":  # the copy call writing an all_gather's output, sliced as its step is
+            shape = (n * x.shape[0],) + x.shape[1:]
+            return jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct(shape, x.dtype))(x)[: x.shape[0]]
         rank = lax.axis_index(ax).astype(jnp.int32).reshape(1)
         target = "strata_ref_barrier" if kind == "barrier" else "strata_ref_meet"
         out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
@@ -215,7 +219,8 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
         progs: dict[tuple, Callable] = {("launch", "-", "-"): program(None, "chained", k, mesh, ax)}
         inputs: dict[tuple, tuple] = {}
         if strata is not None:  # the floors' handlers live in strata's extension
-            for ref in ("copy", "barrier", "meet"):
+            refs = ("copy", "barrier", "meet") + (("fill",) if "all_gather" in ops else ())
+            for ref in refs:
                 for pattern in patterns:
                     progs[(ref, "-", pattern)] = program(ref_step(ref, ax, n), pattern, k, mesh, ax)
         for op in ops:
@@ -280,6 +285,7 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
                                copy_floor_us=per_op(("copy", "-", pattern)),
                                barrier_floor_us=per_op(("barrier", "-", pattern)),
                                meet_floor_us=per_op(("meet", "-", pattern)),
+                               fill_floor_us=per_op(("fill", "-", pattern)) if op == "all_gather" else None,
                                rounds_us=samples.get(key), chain=k)
                     other = (op, "lax" if impl == "strata" else "strata", pattern)
                     if key in outputs and other in outputs:
@@ -396,6 +402,7 @@ def _table(rows: list[dict], n: int, k: int) -> str:
                 "strata": s.get("per_op_us"), "lax": lx.get("per_op_us"),
                 "launch": (s or lx).get("launch_us"), "copy": (s or lx).get("copy_floor_us"),
                 "barrier": (s or lx).get("barrier_floor_us"), "meet": (s or lx).get("meet_floor_us"),
+                "fill": (s or lx).get("fill_floor_us"),
                 "match": s.get("matches_peer")}
         if line["strata"] and line["lax"]:
             line["speedup"] = line["lax"] / line["strata"]
@@ -410,12 +417,13 @@ def _table(rows: list[dict], n: int, k: int) -> str:
             Col("strata", "strata", "(us/op)", ".1f"), Col("lax", "lax", "(us/op)", ".1f"),
             Col("speedup", "speedup", "(x)", ".2f", 8),
             Col("copy", "copy call", "(us/op)", ".1f"), Col("barrier", "barrier", "(us/op)", ".1f"),
-            Col("meet", "async meet", "(us/op)", ".1f"),
+            Col("meet", "async meet", "(us/op)", ".1f"), Col("fill", "out fill", "(us/op)", ".1f"),
             Col("launch", "launch", "(us)", ".1f"), Col("match", "match", "", "", 6)]
     return common.render_table(
         cols, out, title=f"{n} emulated NPUs: per-op cost inside one program of K={k} ops "
                          f"= (program - launch) / K; floors (same pattern, same K): a copying FFI call, "
-                         f"a bare barrier, an asynchronous meeting")
+                         f"a bare barrier, an asynchronous meeting; out fill: the copying call "
+                         f"writing an all_gather's N-times output (its bandwidth floor)")
 
 
 def plot(report: Report, path: str) -> None:

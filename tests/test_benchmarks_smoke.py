@@ -112,6 +112,8 @@ def test_latency_cli(tmp_path):
         assert r["per_op_us"] is not None and len(r["rounds_us"]) == 2, r
         assert r["copy_floor_us"] is not None and r["barrier_floor_us"] is not None, r
         assert r["meet_floor_us"] is not None, r
+        # the output-fill floor belongs to all_gather's rows alone
+        assert (r["fill_floor_us"] is not None) == (r["op"] == "all_gather"), r
         # strata's chained/independent programs compute what lax's do
         assert r["matches_peer"] is True, r
     # each pattern is set beside floors measured in that pattern (two timings of different
@@ -158,3 +160,18 @@ def test_inputs_keep_reductions_exact(dtype, redop, n):
     assert np.array_equal(vals.astype(dt).astype(np.int64), vals)  # inputs exact too
     if redop == "sum":
         assert len(np.unique(vals[:, 0])) > 1 or n > 255  # depends on the rank
+
+
+@pytest.mark.parametrize("times", [1, 3, 8])
+def test_ref_copy_fills_an_output_of_whole_inputs(times):
+    """The latency floors' copying call: an output k times the input holds the input k times
+    (the out-fill floor writes an all_gather's output with it); anything else is an error."""
+    import jax
+    import stratacl_jax  # noqa: F401 - registers the reference handlers
+
+    x = np.random.default_rng(times).standard_normal(37).astype(np.float32)
+    call = jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct((times * 37,), np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), np.tile(x, times))
+    bad = jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct((times * 37 + 1,), np.float32))
+    with pytest.raises(Exception, match="strata_ref_copy: the output is not a whole number"):
+        jax.block_until_ready(jax.jit(bad)(x))

@@ -3,7 +3,9 @@
 // They are the floor every strata op is reported against; they are not a
 // public API (no timeout, no mismatch checks, no loop support).
 //
-//   strata_ref_copy:    copies its input to its output.
+//   strata_ref_copy:    copies its input to its output; an output k times the
+//                       input's size gets the input k times (what writing an
+//                       all_gather's output costs a rank, with no meeting).
 //   strata_ref_barrier: every rank publishes its input, meets the others in a
 //                       spin-then-yield barrier, sums element 0 of every
 //                       rank's input into its output, and meets them again
@@ -35,9 +37,12 @@ namespace strata {
 namespace {
 
 ffi::Error RefCopy(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
-  if (x.size_bytes() != out->size_bytes())
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_copy: sizes differ");
-  std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  const size_t in = x.size_bytes(), total = out->size_bytes();
+  if (in == 0 ? total != 0 : total % in != 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "strata_ref_copy: the output is not a whole number of inputs");
+  char* dst = static_cast<char*>(out->untyped_data());
+  for (size_t at = 0; at < total; at += in) std::memcpy(dst + at, x.untyped_data(), in);
   return ffi::Error::Success();
 }
 

@@ -170,12 +170,11 @@ def tour_summary(reports: dict, npus: int) -> str:
                              and (p["op"], p["npus"], p["size"], p["pattern"])
                              == (r["op"], r["npus"], r["size"], r["pattern"])), None)
                 vs = f", lax {peer['per_op_us']:.1f} us" if peer and peer.get("per_op_us") else ""
+                floors = [("copy call", r["copy_floor_us"]), ("barrier", r["barrier_floor_us"]),
+                          ("async meet", r["meet_floor_us"]), ("out fill", r.get("fill_floor_us"))]
+                floors_text = ", ".join(f"{name} {v:.1f} us" for name, v in floors if v is not None)
                 lines.append(f"  small {r['op']:<13} {r['npus']} NPUs {r['size']} B {r['pattern']}: "
-                             f"{r['per_op_us']:.1f} us per op{vs} (floors: copy call "
-                             f"{r['copy_floor_us']:.1f} us, barrier {r['barrier_floor_us']:.1f} us, "
-                             f"async meet {r['meet_floor_us']:.1f} us"
-                             + (f", out fill {r['fill_floor_us']:.1f} us" if r.get("fill_floor_us") is not None else "")
-                             + ")")
+                             f"{r['per_op_us']:.1f} us per op{vs} (floors: {floors_text})")
     return "\n".join(lines)
 
 

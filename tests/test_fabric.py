@@ -271,15 +271,14 @@ print("checked", checked)
 
 def _sysfs_last_level_cache_bytes():
     """cpu0's deepest data cache in sysfs, in bytes (None where sysfs has none)."""
-    import glob
-    import os
+    from pathlib import Path
 
     best = None
-    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            level = int(open(os.path.join(d, "level")).read())
-            kind = open(os.path.join(d, "type")).read().strip()
-            size = open(os.path.join(d, "size")).read().strip()
+            level = int((d / "level").read_text())
+            kind = (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip()
         except OSError:
             continue
         if kind == "Instruction" or not size:

@@ -55,7 +55,7 @@ void StoreFence() {
 
 namespace {
 // Bytes of the last-level cache one core shares, as the kernel describes it
-// (cpu0's level-3 entry in sysfs, else its deepest unified one); -1 if none.
+// (cpu0's deepest data or unified cache in sysfs); -1 if none.
 long SysfsLastLevelCacheBytes() {
   long best_level = 0, bytes = -1;
   for (int index = 0; index < 16; ++index) {

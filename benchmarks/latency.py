@@ -145,9 +145,9 @@ def _moe_step(impl, strata, ax, n, idx, weights, capacity):
 
 
 def ref_step(kind: str, ax: str, n: int) -> Callable:
-    """The floors: a custom call that copies (fill: into an output N times its input, as an
-    all_gather's), one that meets the group in a blocking barrier, or one that meets it
-    asynchronously as strata's ops do (meet)."""
+    """The floors: a custom call that copies, one that meets the group in a blocking barrier,
+    one that meets it asynchronously as strata's ops do (meet), and that meeting writing an
+    all_gather's N-times output (fill)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -157,14 +157,13 @@ def ref_step(kind: str, ax: str, n: int) -> Callable:
     def step(x):
         if kind == "copy":
             return jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
-        if kind == "fill":  # the copy call writing an all_gather's output, sliced as its step is
-            shape = (n * x.shape[0],) + x.shape[1:]
-            return jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct(shape, x.dtype))(x)[: x.shape[0]]
         rank = lax.axis_index(ax).astype(jnp.int32).reshape(1)
         target = "strata_ref_barrier" if kind == "barrier" else "strata_ref_meet"
-        out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        # fill: the meeting with an all_gather's N-times output, written and sliced as its step is
+        rows = n * x.shape[0] if kind == "fill" else x.shape[0]
+        out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows,) + x.shape[1:], x.dtype))(
             x, rank, site_id=np.int64(next(sites)), group_size=np.int32(n))
-        return out * np.float32(1.0 / n)
+        return out[: x.shape[0]] * np.float32(1.0 / n)
 
     return step
 
@@ -422,8 +421,8 @@ def _table(rows: list[dict], n: int, k: int) -> str:
     return common.render_table(
         cols, out, title=f"{n} emulated NPUs: per-op cost inside one program of K={k} ops "
                          f"= (program - launch) / K; floors (same pattern, same K): a copying FFI call, "
-                         f"a bare barrier, an asynchronous meeting; out fill: the copying call "
-                         f"writing an all_gather's N-times output (its bandwidth floor)")
+                         f"a bare barrier, an asynchronous meeting; out fill: that meeting "
+                         f"writing an all_gather's N-times output first (its floor)")
 
 
 def plot(report: Report, path: str) -> None:

@@ -162,16 +162,42 @@ def test_inputs_keep_reductions_exact(dtype, redop, n):
         assert len(np.unique(vals[:, 0])) > 1 or n > 255  # depends on the rank
 
 
-@pytest.mark.parametrize("times", [1, 3, 8])
-def test_ref_copy_fills_an_output_of_whole_inputs(times):
-    """The latency floors' copying call: an output k times the input holds the input k times
-    (the out-fill floor writes an all_gather's output with it); anything else is an error."""
+def test_ref_copy_copies_and_refuses_a_mismatched_output():
+    """The latency floors' copying call: the output is the input; an output of another size
+    is an error, not a partial copy."""
     import jax
     import stratacl_jax  # noqa: F401 - registers the reference handlers
 
-    x = np.random.default_rng(times).standard_normal(37).astype(np.float32)
-    call = jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct((times * 37,), np.float32))
-    np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), np.tile(x, times))
-    bad = jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct((times * 37 + 1,), np.float32))
-    with pytest.raises(Exception, match="strata_ref_copy: the output is not a whole number"):
+    x = np.random.default_rng(3).standard_normal(37).astype(np.float32)
+    call = jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct((37,), np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(x)), x)
+    bad = jax.ffi.ffi_call("strata_ref_copy", jax.ShapeDtypeStruct((3 * 37,), np.float32))
+    with pytest.raises(Exception, match="strata_ref_copy: the output's size differs"):
         jax.block_until_ready(jax.jit(bad)(x))
+
+
+@pytest.mark.parametrize("kind", ["meet", "fill", "barrier"])
+@pytest.mark.parametrize("pattern", ["chained", "independent"])
+def test_meeting_floors_compute_what_they_claim(mesh8, kind, pattern):
+    """The meeting floors' result, against numpy: each rank's own values with element 0 the
+    group's sum of element 0, scaled by 1/N, once per step (fill writes an all_gather's N-times
+    output first and slices it). A floor that skipped its meeting or its output would fail."""
+    from benchmarks import latency
+
+    n, k = 8, 3
+    x = np.random.default_rng(7).standard_normal((n, 5)).astype(np.float32)
+
+    def step_np(v):  # v: [n, 5], one row per rank
+        v = v.copy()
+        v[:, 0] = v[:, 0].sum()
+        return v * np.float32(1.0 / n)
+
+    if pattern == "chained":
+        want = x
+        for _ in range(k):
+            want = step_np(want)
+    else:
+        want = sum(step_np(x + np.float32(i)) for i in range(k))
+    prog = latency.program(latency.ref_step(kind, "x", n), pattern, k, mesh8, "x")
+    got = np.asarray(prog(x.reshape(-1))).reshape(n, 5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

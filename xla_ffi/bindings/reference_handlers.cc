@@ -3,9 +3,7 @@
 // They are the floor every strata op is reported against; they are not a
 // public API (no timeout, no mismatch checks, no loop support).
 //
-//   strata_ref_copy:    copies its input to its output; an output k times the
-//                       input's size gets the input k times (what writing an
-//                       all_gather's output costs a rank, with no meeting).
+//   strata_ref_copy:    copies its input to its output.
 //   strata_ref_barrier: every rank publishes its input, meets the others in a
 //                       spin-then-yield barrier, sums element 0 of every
 //                       rank's input into its output, and meets them again
@@ -16,6 +14,10 @@
 //                       the others to the runtime's resumer threads. What
 //                       meeting costs with strata's resumption alone (no
 //                       rendezvous bookkeeping, checks, plans or registry).
+//                       An output k times the input's size gets the input k
+//                       times before the rank meets: an all_gather's output
+//                       written with the group met, a floor no real gather
+//                       can beat (it cannot write before its peers arrive).
 #include "reference_handlers.h"
 
 #include <atomic>
@@ -27,6 +29,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../runtime/copy.h"
 #include "../runtime/executor.h"
 #include "ffi_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,12 +40,10 @@ namespace strata {
 namespace {
 
 ffi::Error RefCopy(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
-  const size_t in = x.size_bytes(), total = out->size_bytes();
-  if (in == 0 ? total != 0 : total % in != 0)
+  if (x.size_bytes() != out->size_bytes())
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "strata_ref_copy: the output is not a whole number of inputs");
-  char* dst = static_cast<char*>(out->untyped_data());
-  for (size_t at = 0; at < total; at += in) std::memcpy(dst + at, x.untyped_data(), in);
+                      "strata_ref_copy: the output's size differs from the input's");
+  std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
   return ffi::Error::Success();
 }
 
@@ -63,7 +64,7 @@ void SpinUntil(const std::atomic<int>& counter, int target) {
 
 bool ArgumentsFit(int rank, int32_t group_size, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& out) {
   return group_size >= 1 && rank >= 0 && rank < group_size && x.element_count() >= 1 &&
-         x.element_count() == out.element_count();
+         out.element_count() >= x.element_count() && out.element_count() % x.element_count() == 0;
 }
 
 // The meeting of (run, site), made by whichever rank comes first.
@@ -79,7 +80,7 @@ std::shared_ptr<M> Join(std::map<std::tuple<int64_t, int64_t>, std::shared_ptr<M
 ffi::Error RefBarrier(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rank_buf,
                       ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t site_id, int32_t group_size) {
   const int rank = rank_buf.typed_data()[0];
-  if (!ArgumentsFit(rank, group_size, x, *out))
+  if (!ArgumentsFit(rank, group_size, x, *out) || x.element_count() != out->element_count())
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_barrier: bad arguments");
   std::shared_ptr<Meeting> m = Join(g_meetings, run, site_id, group_size);
   m->inputs[rank] = x.typed_data();
@@ -113,7 +114,13 @@ ffi::Future RefMeet(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S3
   const int rank = rank_buf.typed_data()[0];
   if (!ArgumentsFit(rank, group_size, x, *out))
     return ffi_common::Failed(ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_meet: bad arguments"));
-  std::memcpy(out->typed_data(), x.typed_data(), x.size_bytes());
+  // Written the way strata writes a gather's outputs (streaming stores once
+  // the group's outputs outgrow the cache), so the floor is no slower than the op.
+  char* dst = reinterpret_cast<char*>(out->typed_data());
+  const bool streaming = static_cast<int64_t>(out->size_bytes()) * group_size >= StreamingThresholdBytes();
+  for (size_t at = 0; at < out->size_bytes(); at += x.size_bytes())
+    CopyBytes(dst + at, x.typed_data(), x.size_bytes(), streaming);
+  if (streaming) StoreFence();
   std::shared_ptr<AsyncMeeting> m = Join(g_async_meetings, run, site_id, group_size);
   m->inputs[rank] = x.typed_data();
   m->outputs[rank] = out->typed_data();

@@ -18,7 +18,8 @@ What it measures (issue: small collectives near the limit):
 - Every measurement of one NPU count runs in one child process in interleaved rounds (each
   round times every program back to back; medians over rounds). Above 64 NPUs each (impl, op)
   gets its own child: lax.all_to_all makes XLA abort the process at 384 devices, and that
-  must cost one cell ("aborted"), not the run.
+  must cost one cell ("aborted"), not the run; a lax child there that outlives --peer-timeout
+  (lax's MoE compiling for minutes) is stopped and its cells read "timed out".
 - Inputs are plain jax.device_put buffers (float32; MoE tokens of hidden 64), as users have.
 """
 
@@ -58,6 +59,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seconds", type=float, default=1.0,
                    help="cap one timed block near this many seconds by lowering -n (1)")
     p.add_argument("--child-timeout", type=float, default=1200, help=argparse.SUPPRESS)
+    p.add_argument("--peer-timeout", type=float, default=300,
+                   help="seconds a lax child above 64 NPUs may take before its cells read "
+                        "'timed out' (300): lax's MoE at 384 NPUs compiles for many minutes, "
+                        "past 14 GB, without finishing")
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)  # NPUs of a child
     p.add_argument("--rows-jsonl", default=None, help=argparse.SUPPRESS)  # child -> parent
     common.add_output_args(p)
@@ -333,11 +338,14 @@ def _children(args, n, ops, impls):
 
 
 def _run_child(args, n, ops, impls) -> tuple[list[dict], str | None]:
+    # The peer alone above 64 NPUs (its own child): bounded, so it cannot hold the run.
+    peer_only = n > 64 and impls == ["lax"]
+    timeout = min(args.child_timeout, args.peer_timeout) if peer_only else args.child_timeout
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "rows.jsonl")
         rc, err = common.run_child("latency", [
             *args._argv, "--child", str(n), "--op", ",".join(ops), "--impl", ",".join(impls),
-            "--rows-jsonl", path], args.child_timeout)
+            "--rows-jsonl", path], timeout)
         got = []
         if os.path.exists(path):
             with open(path) as f:
@@ -345,9 +353,17 @@ def _run_child(args, n, ops, impls) -> tuple[list[dict], str | None]:
     if rc == 0:
         return got, None
     why = common.child_failure(rc, err)
-    if common.child_aborted(rc, why):
+    if rc == "timeout":
+        why = f"timed out after {timeout:.0f} s: " + why
+    elif common.child_aborted(rc, why):
         why = "aborted: " + why
     return got, why
+
+
+def _failed_status(why: str) -> str:
+    """A failed child's cells: 'aborted' (XLA took the process down), 'timed out' (stopped at
+    its timeout), else 'error'."""
+    return next((st for st in ("aborted", "timed out") if why.startswith(st)), "error")
 
 
 def run(args) -> Report:
@@ -374,8 +390,7 @@ def run(args) -> Report:
                         for pattern in patterns:
                             if why and (size, op, impl, pattern) not in have:
                                 got.append(_row(n, size, op, impl, pattern,
-                                                status="aborted" if why.startswith("aborted")
-                                                else "error", reason=why))
+                                                status=_failed_status(why), reason=why))
             rows += got
         report.rows += rows
         report.emit(_table(rows, n, chain[n]))
@@ -407,8 +422,9 @@ def _table(rows: list[dict], n: int, k: int) -> str:
             line["speedup"] = line["lax"] / line["strata"]
         notes = [f"{impl}: {r.get('status')} ({r.get('reason')})"
                  for impl, r in (("strata", s), ("lax", lx)) if r and r.get("status") != "ok"]
-        if any(r and r.get("status") == "aborted" for r in (s, lx)):
-            line["lax" if lx.get("status") == "aborted" else "strata"] = "aborted"
+        for impl, r in (("strata", s), ("lax", lx)):
+            if r and r.get("status") in ("aborted", "timed out"):
+                line[impl] = r["status"]
         line["_note"] = "; ".join(notes)
         out.append(line)
     cols = [Col("size", "size", "(B)", "d", 8), Col("op", "op", "", "", 14),

@@ -201,3 +201,29 @@ def test_meeting_floors_compute_what_they_claim(mesh8, kind, pattern):
     prog = latency.program(latency.ref_step(kind, "x", n), pattern, k, mesh8, "x")
     got = np.asarray(prog(x.reshape(-1))).reshape(n, 5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_latency_peer_child_that_outlives_its_timeout_reads_timed_out(monkeypatch):
+    """Above 64 NPUs a lax child gets --peer-timeout (lax's MoE at 384 compiles for minutes):
+    its cells read 'timed out' with the reason, strata's children keep the long timeout, and
+    the run goes on."""
+    from benchmarks import __main__ as cli
+    from benchmarks import latency
+
+    seen = []
+
+    def fake_run_child(sub, argv, timeout):
+        impl = argv[argv.index("--impl") + 1]
+        seen.append((impl, timeout))
+        return ("timeout", "still compiling") if impl == "lax" else (0, "")
+
+    monkeypatch.setattr(common, "run_child", fake_run_child)
+    args = cli.parse("latency", ["--npus", "384", "--op", "all_reduce", "--peer-timeout", "7",
+                                 "--no-progress", "--out", ""])
+    report = latency.run(args)
+    assert sorted(seen) == [("lax", 7), ("strata", 1200)]
+    lax_rows = [r for r in report.rows if r["impl"] == "lax"]
+    assert lax_rows and all(r["status"] == "timed out" for r in lax_rows), lax_rows
+    assert all(r["reason"].startswith("timed out after 7 s") for r in lax_rows), lax_rows
+    table = latency._table(report.rows, 384, 8)
+    assert "timed out" in table

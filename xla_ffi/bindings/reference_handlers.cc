@@ -31,6 +31,7 @@
 
 #include "../runtime/copy.h"
 #include "../runtime/executor.h"
+#include "../runtime/registry.h"
 #include "ffi_common.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -114,9 +115,11 @@ ffi::Future RefMeet(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S3
   const int rank = rank_buf.typed_data()[0];
   if (!ArgumentsFit(rank, group_size, x, *out))
     return ffi_common::Failed(ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_meet: bad arguments"));
-  // Written the way strata writes a gather's outputs (streaming stores once
-  // the group's outputs outgrow the cache), so the floor is no slower than the op.
+  // Written the way strata writes a gather's outputs (large pages for a fresh
+  // output, streaming stores once the group's outputs outgrow the cache), so
+  // the floor is no slower than the op.
   char* dst = reinterpret_cast<char*>(out->typed_data());
+  Registry::PreferLargePages(dst, static_cast<int64_t>(out->size_bytes()));
   const bool streaming = static_cast<int64_t>(out->size_bytes()) * group_size >= StreamingThresholdBytes();
   for (size_t at = 0; at < out->size_bytes(); at += x.size_bytes())
     CopyBytes(dst + at, x.typed_data(), x.size_bytes(), streaming);

@@ -337,7 +337,9 @@ def _children(args, n, ops, impls):
     return [([op], [impl]) for op in ops for impl in impls]
 
 
-def _run_child(args, n, ops, impls) -> tuple[list[dict], str | None]:
+def _run_child(args, n, ops, impls) -> tuple[list[dict], str | None, str | None]:
+    """The child's rows, and if it failed, its cells' status ('aborted': XLA took the
+    process down, 'timed out': stopped at its timeout, else 'error') and why."""
     # The peer alone above 64 NPUs (its own child): bounded, so it cannot hold the run.
     peer_only = n > 64 and impls == ["lax"]
     timeout = min(args.child_timeout, args.peer_timeout) if peer_only else args.child_timeout
@@ -351,19 +353,13 @@ def _run_child(args, n, ops, impls) -> tuple[list[dict], str | None]:
             with open(path) as f:
                 got = [json.loads(line) for line in f if line.strip()]
     if rc == 0:
-        return got, None
+        return got, None, None
     why = common.child_failure(rc, err)
     if rc == "timeout":
-        why = f"timed out after {timeout:.0f} s: " + why
-    elif common.child_aborted(rc, why):
-        why = "aborted: " + why
-    return got, why
-
-
-def _failed_status(why: str) -> str:
-    """A failed child's cells: 'aborted' (XLA took the process down), 'timed out' (stopped at
-    its timeout), else 'error'."""
-    return next((st for st in ("aborted", "timed out") if why.startswith(st)), "error")
+        return got, "timed out", f"timed out after {timeout:.0f} s: " + why
+    if common.child_aborted(rc, why):
+        return got, "aborted", "aborted: " + why
+    return got, "error", why
 
 
 def run(args) -> Report:
@@ -382,7 +378,7 @@ def run(args) -> Report:
     for n in common.progress(npus_list(args), desc="latency", disable=args.no_progress):
         rows = []
         for c_ops, c_impls in _children(args, n, ops, impls):
-            got, why = _run_child(args, n, c_ops, c_impls)
+            got, status, why = _run_child(args, n, c_ops, c_impls)
             have = {(r["size"], r["op"], r["impl"], r["pattern"]) for r in got}
             for size in sizes_for(args, n):
                 for op in c_ops:
@@ -390,7 +386,7 @@ def run(args) -> Report:
                         for pattern in patterns:
                             if why and (size, op, impl, pattern) not in have:
                                 got.append(_row(n, size, op, impl, pattern,
-                                                status=_failed_status(why), reason=why))
+                                                status=status, reason=why))
             rows += got
         report.rows += rows
         report.emit(_table(rows, n, chain[n]))

@@ -63,9 +63,12 @@ void SpinUntil(const std::atomic<int>& counter, int target) {
     if (spins > 256) std::this_thread::yield();
 }
 
-bool ArgumentsFit(int rank, int32_t group_size, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& out) {
-  return group_size >= 1 && rank >= 0 && rank < group_size && x.element_count() >= 1 &&
-         out.element_count() >= x.element_count() && out.element_count() % x.element_count() == 0;
+// `out` holds x once, or with `whole_inputs` any whole number of times (>= 1).
+bool ArgumentsFit(int rank, int32_t group_size, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& out,
+                  bool whole_inputs) {
+  const size_t in = x.element_count(), total = out.element_count();
+  const bool shape = whole_inputs ? total >= in && total % in == 0 : total == in;
+  return group_size >= 1 && rank >= 0 && rank < group_size && in >= 1 && shape;
 }
 
 // The meeting of (run, site), made by whichever rank comes first.
@@ -81,7 +84,7 @@ std::shared_ptr<M> Join(std::map<std::tuple<int64_t, int64_t>, std::shared_ptr<M
 ffi::Error RefBarrier(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rank_buf,
                       ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t site_id, int32_t group_size) {
   const int rank = rank_buf.typed_data()[0];
-  if (!ArgumentsFit(rank, group_size, x, *out) || x.element_count() != out->element_count())
+  if (!ArgumentsFit(rank, group_size, x, *out, /*whole_inputs=*/false))
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_barrier: bad arguments");
   std::shared_ptr<Meeting> m = Join(g_meetings, run, site_id, group_size);
   m->inputs[rank] = x.typed_data();
@@ -113,14 +116,14 @@ auto& g_async_meetings = *new std::map<std::tuple<int64_t, int64_t>, std::shared
 ffi::Future RefMeet(ffi::RunId run, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> rank_buf,
                     ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t site_id, int32_t group_size) {
   const int rank = rank_buf.typed_data()[0];
-  if (!ArgumentsFit(rank, group_size, x, *out))
+  if (!ArgumentsFit(rank, group_size, x, *out, /*whole_inputs=*/true))
     return ffi_common::Failed(ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_ref_meet: bad arguments"));
   // Written the way strata writes a gather's outputs (large pages for a fresh
   // output, streaming stores once the group's outputs outgrow the cache), so
   // the floor is no slower than the op.
   char* dst = reinterpret_cast<char*>(out->typed_data());
   Registry::PreferLargePages(dst, static_cast<int64_t>(out->size_bytes()));
-  const bool streaming = static_cast<int64_t>(out->size_bytes()) * group_size >= StreamingThresholdBytes();
+  const bool streaming = StreamsOutputs(static_cast<int64_t>(out->size_bytes()), group_size);
   for (size_t at = 0; at < out->size_bytes(); at += x.size_bytes())
     CopyBytes(dst + at, x.typed_data(), x.size_bytes(), streaming);
   if (streaming) StoreFence();

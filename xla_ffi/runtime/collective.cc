@@ -425,7 +425,7 @@ View DirectView(const Slot& s, const OpParams& p) {
   v.block_stride = p.block_bytes;
   v.col_lo = 0;
   v.col_hi = p.block_bytes;
-  v.streaming = p.rows * p.out_blocks * p.block_bytes * s.n >= StreamingThresholdBytes();
+  v.streaming = StreamsOutputs(p.rows * p.out_blocks * p.block_bytes, s.n);
   return v;
 }
 

@@ -21,6 +21,10 @@ void StoreFence();
 // cache (sources and outputs cannot both stay cached beyond it), or
 // STRATA_STREAM_BYTES when set.
 int64_t StreamingThresholdBytes();
+// Whether a group whose ranks each write `out_bytes_per_rank` streams its stores.
+inline bool StreamsOutputs(int64_t out_bytes_per_rank, int64_t group_size) {
+  return out_bytes_per_rank * group_size >= StreamingThresholdBytes();
+}
 // For tests and A/B runs: sets the threshold (< 0: back to the default) and
 // returns the previous one. Ops read it when they start.
 int64_t SetStreamingThresholdBytes(int64_t bytes);

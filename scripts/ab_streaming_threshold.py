@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 import stratacl_jax as strata  # first: it sizes XLA's thread pool
+from benchmarks.common import parse_size
 from stratacl_jax import _core
 
 strata.emulator.ensure_devices(8)
@@ -57,10 +58,6 @@ OPS = {"ar": ar, "ar+use": lambda v: use(ar(v)), "ar x4": chain4(ar),
        "ag": ag, "ag+use": lambda v: use(ag(v)), "rs": rs}
 
 
-def parse_size(text):  # bytes per rank -> float32 elements per rank
-    return int(float(text[:-1]) * 1024) // 4 if text.upper().endswith("K") else int(text) // 4
-
-
 def median_us(f, x):
     times = []
     for _ in range(CALLS):
@@ -71,7 +68,7 @@ def median_us(f, x):
 
 
 def main(sizes):
-    for n in map(parse_size, sizes):
+    for n in (parse_size(text) // 4 for text in sizes):  # float32 elements per rank
         x = jax.device_put(np.random.default_rng(0).standard_normal(8 * n).astype(np.float32),
                            NamedSharding(mesh, P("x")))
         fs = {name: program(fn) for name, fn in OPS.items()}

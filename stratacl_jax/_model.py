@@ -83,8 +83,8 @@ def _result(op, n, mode, nbytes, s_bytes, bus_bytes, raw, spec, settings, footpr
     ingress = np.asarray(raw["ingress_bytes"], dtype=np.float64)
     wire = 0.0
     if egress.size:
-        wire = max(float(egress.max()) / (spec.ub_egress_gbps * 1e3),
-                   float(ingress.max()) / (spec.ub_ingress_gbps * 1e3))
+        wire = max(float(egress.max()) / (spec.ub_egress_gbps_per_rank * 1e3),
+                   float(ingress.max()) / (spec.ub_ingress_gbps_per_rank * 1e3))
     lower = (float(raw["min_remote_latency_us"]) + wire) if wire > 0 else 0.0
     breakdown = {k: float(raw[k]) for k in (
         "sync_us", "exchange_us", "stage_us", "latency_us", "descriptor_us", "busiest_lane_us",

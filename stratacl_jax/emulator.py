@@ -49,6 +49,9 @@ class SupernodeSpec:
     """
 
     name: str = _f("cloudmatrix384", "", "")
+    # What one rank is decides every per-rank figure: with ranks_per_npu=1 (the default) a rank
+    # is a 910C package (2 dies: 96 AIV + 48 AIC cores, 752 TFLOPS BF16, 3.2 TB/s HBM, 392 GB/s
+    # of UB each way); with 2 it is one die, and gets half of each.
     num_npus: int = _f(384, "NPUs", CM384 + ": 384 Ascend 910C")
     npus_per_node: int = _f(8, "NPUs", CM384 + ": 48 nodes x 8 NPUs")
     dies_per_npu: int = _f(2, "dies", CM384 + ": each 910C is 2 dies")
@@ -88,6 +91,27 @@ class SupernodeSpec:
     sdma_descriptor_us: float = _f(90.0, "us", STRATACL + ": descriptor submission ~90 us; charged "
                                    "once per op that uses the engines, all engines in parallel (how often is not published)")
     ccl_buffer_bytes: int = _f(200 * 1024 * 1024, "B", HCCL_DOCS + ": 200 MB, two per communicator")
+    # Compute (the step model, strata.emulator.simulate). Peak rates per die; a rank gets
+    # dies_per_npu / ranks_per_npu dies' worth of each, like its HBM, cores and UB ports.
+    cube_tflops_bf16_per_die: float = _f(376.0, "TFLOPS", CM384 + ": 752 TFLOPS dense BF16 per 910C "
+                                         "package, two dies")
+    cube_tflops_fp16_per_die: float = _f(376.0, "TFLOPS", CM384 + ": 752 TFLOPS dense FP16/BF16 per package")
+    cube_tops_int8_per_die: float = _f(752.0, "TOPS", "INT8 commonly given as twice the BF16 rate "
+                                       "(~1.5 POPS per 910C package; summaries of " + CM384 + ")")
+    cube_tflops_fp32_per_die: float = _f(94.0, "TFLOPS", "assumed: a quarter of the BF16 rate "
+                                         "(not published; the modeled workloads run no fp32 matmul)")
+    vector_tflops_fp16_per_die: float = _f(22.0, "TFLOPS", "a public Ascend simulator's figure for "
+                                           "vector-unit FP16 per die (an order below the cube rate)")
+    vector_tflops_fp32_per_die: float = _f(11.0, "TFLOPS", "assumed: half the vector FP16 rate "
+                                           "(two fp16 lanes per fp32 lane; not published)")
+    compute_efficiency: float = _f(0.7, "fraction", "assumed: share of peak a large kernel sustains "
+                                   "(vendor GEMM benchmarks on accelerators reach 60-80 %); not published, "
+                                   "not fitted: docs/step_model.md shows results at 0.5 and 0.9")
+    hbm_efficiency: float = _f(0.8, "fraction", "assumed: share of HBM peak a streaming kernel "
+                               "sustains (STREAM-like benchmarks on HBM devices reach 75-90 %); not published")
+    kernel_launch_us: float = _f(2.0, "us", "assumed: per-kernel task dispatch on the NPU with the "
+                                 "step captured as a graph (no host launch per kernel); not published, "
+                                 "docs/step_model.md shows results at 0 and 5 us")
 
     @property
     def num_nodes(self) -> int:
@@ -96,6 +120,41 @@ class SupernodeSpec:
     @property
     def num_ranks(self) -> int:
         return self.num_npus * self.ranks_per_npu
+
+    @property
+    def dies_per_rank(self) -> float:
+        """How much of a package one rank is: 2 dies (rank = package) or 1."""
+        return self.dies_per_npu / self.ranks_per_npu
+
+    @property
+    def ub_egress_gbps_per_rank(self) -> float:
+        return self.ub_egress_gbps / self.ranks_per_npu
+
+    @property
+    def ub_ingress_gbps_per_rank(self) -> float:
+        return self.ub_ingress_gbps / self.ranks_per_npu
+
+    @property
+    def vector_cores_per_rank(self) -> int:
+        return int(self.vector_cores_per_die * self.dies_per_rank)
+
+    @property
+    def cube_cores_per_rank(self) -> int:
+        return int(self.cube_cores_per_die * self.dies_per_rank)
+
+    def cube_tflops_per_rank(self, dtype) -> float:
+        """Peak matmul rate of one rank for operands of `dtype` (numpy/jax dtype or name)."""
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+        per_die = {"bfloat16": self.cube_tflops_bf16_per_die, "float16": self.cube_tflops_fp16_per_die,
+                   "int8": self.cube_tops_int8_per_die, "uint8": self.cube_tops_int8_per_die,
+                   "int4": self.cube_tops_int8_per_die * 2}.get(name, self.cube_tflops_fp32_per_die)
+        return per_die * self.dies_per_rank
+
+    def vector_tflops_per_rank(self, dtype) -> float:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+        wide = name in ("float32", "float64", "int32", "int64", "uint32", "complex64", "complex128")
+        per_die = self.vector_tflops_fp32_per_die if wide else self.vector_tflops_fp16_per_die
+        return per_die * self.dies_per_rank
 
     @property
     def hbm_gbps_per_rank(self) -> float:
@@ -112,7 +171,7 @@ class SupernodeSpec:
             "die_latency_us": self.die_latency_us, "intra_latency_us": self.intra_node_latency_us,
             "inter_latency_us": self.inter_node_latency_us, "die_gbps": self.die_gbps,
             "intra_gbps": self.intra_node_gbps, "inter_gbps": self.inter_node_gbps,
-            "egress_gbps": self.ub_egress_gbps, "ingress_gbps": self.ub_ingress_gbps,
+            "egress_gbps": self.ub_egress_gbps_per_rank, "ingress_gbps": self.ub_ingress_gbps_per_rank,
             "hbm_gbps": self.hbm_gbps_per_rank, "core_copy_gbps": self.core_copy_gbps,
             "core_reduce_gbps": self.core_reduce_gbps, "sdma_gbps": self.sdma_gbps,
             "sdma_descriptor_us": self.sdma_descriptor_us,

@@ -12,13 +12,14 @@ import os
 import sys
 import time
 
-from . import collectives, common, latency, moe, train
+from . import collectives, common, latency, moe, serve, train
 
 SUBCOMMANDS = {
     "collectives": (collectives, "nccl-tests-style sweeps: strata vs lax vs memory floor"),
     "moe": (moe, "MoE dispatch/combine/layer, strata vs the lax all_to_all reference"),
     "train": (train, "one MoE training step with strata vs lax collectives"),
     "latency": (latency, "per-op cost of small ops inside one program at 8/64/384 NPUs, with floors"),
+    "serve": (serve, "DeepSeek-V3/R1 decode or prefill on the supernode, modeled (--model-only)"),
 }
 
 # The tour: small enough for a few minutes on 2 cores, large enough to reach >= 1 MB per rank.

@@ -522,6 +522,7 @@ class Report:
     rows: list[dict] = field(default_factory=list)
     tables: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict)
+    top: dict = field(default_factory=dict)  # results a benchmark puts at the JSON's top level
 
     def emit(self, text: str) -> None:
         """Print a table now (stdout, flushed: it interleaves with the stderr progress bar)."""
@@ -530,7 +531,7 @@ class Report:
         print(flush=True)
 
     def to_json(self) -> dict:
-        return {"benchmark": self.name, "params": self.params, "env": self.env,
+        return {**jsonable(self.top), "benchmark": self.name, "params": jsonable(self.params), "env": self.env,
                 "rows": [jsonable(r) for r in self.rows]}
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import jax
@@ -83,16 +84,24 @@ class ModeledStep:
         return "\n".join(lines)
 
     def save_trace(self, path: str, npus: int = 1) -> str:
-        """A Chrome/Perfetto trace: per NPU, tracks for the cube units, vector
-        kernels, collectives on vector cores, SDMA and UB; flows for the
-        dependencies between streams. Every rank runs the same program, so
-        `npus` copies (default 1) show the same timeline."""
+        """A Chrome/Perfetto trace (open it in ui.perfetto.dev): per NPU, tracks
+        for the cube units, vector kernels, collectives on vector cores, SDMA
+        and UB; flows for the dependencies between streams. Every rank runs the
+        same program, so `npus` copies (default 1) show the same timeline."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"traceEvents": self.trace_events(npus=npus), "displayTimeUnit": "ns"}, f)
+        return path
+
+    def trace_events(self, npus: int = 1, pid_base: int = 2000, label: str = "") -> list:
+        """The events of save_trace, for merging into another trace."""
         tracks = {"cube": 1, "vector": 2, "vector cores (collectives)": 3, "sdma": 4, "ub": 5}
         events = []
         for npu in range(max(1, min(npus, self.npus))):
-            pid = 2000 + npu
+            pid = pid_base + npu
             events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-                           "args": {"name": f"NPU {npu} (modeled, {self.spec}, mode={self.mode})"}})
+                           "args": {"name": f"{label}NPU {npu}: step model on {self.spec}, mode={self.mode} "
+                                            f"(time from the step's start)"}})
             for tname, tid in tracks.items():
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                                "args": {"name": tname}})
@@ -124,9 +133,25 @@ class ModeledStep:
                                        else src["start_us"]})
                         events.append({"ph": "f", "bp": "e", "id": flow, "name": "dependency", "cat": "dep",
                                        "pid": pid, "tid": dtid, "ts": o["start_us"]})
-        with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ns"}, f)
-        return path
+        return events
+
+
+def fused(fn=None, *, name: str | None = None):
+    """Marks `fn` as one fused kernel for the step model: `strata.emulator.simulate`
+    costs a call of it as a single kernel that reads its operands and writes its
+    results once, its intermediates staying on chip (as a hand-written attention
+    or MoE kernel does), its matmuls on the cube cores beside its vector work.
+    Executed, it is an ordinary `jax.jit` of `fn` (inlined into the caller's
+    program). Usable as `@fused` or `fused(fn, name="attention")`."""
+    from ._step_graph import FUSED_PREFIX
+
+    def wrap(f):
+        def kernel(*args, **kwargs):
+            return f(*args, **kwargs)
+        kernel.__name__ = FUSED_PREFIX + (name or getattr(f, "__name__", "kernel"))
+        kernel.__doc__ = getattr(f, "__doc__", None)
+        return jax.jit(kernel)
+    return wrap if fn is None else wrap(fn)
 
 
 def _jsonable(v) -> bool:
@@ -341,11 +366,17 @@ def _result(graph, sp, mode, npus, settings, start, end, gate, total, slowed) ->
     exposed = comm_us - _covered(comm, comp)
     either = _union([*map(tuple, comp), *map(tuple, comm)])
     ops = []
+    index = {}  # node id -> position in ops (folded regions are no op)
     for x in nodes:
+        if not x.info.get("folded"):
+            index[x.id] = len(index)
+    for x in nodes:
+        if x.info.get("folded"):
+            continue
         ops.append({"name": x.name, "kind": x.kind, "unit": x.unit, "flops": float(x.flops),
                     "bytes": float(x.bytes), "start_us": start[x.id], "end_us": end[x.id],
-                    "alone_us": float(x.time_us), "deps": sorted(x.deps), **x.info})
-    kernels = [x for x in nodes if x.kind == "compute"]
+                    "alone_us": float(x.time_us), "deps": sorted(index[d] for d in x.deps if d in index), **x.info})
+    kernels = [x for x in nodes if x.kind == "compute" and not x.info.get("folded")]
     breakdown = {
         "cube_us": sum(end[x.id] - start[x.id] for x in kernels if x.unit == "cube"),
         "vector_us": sum(end[x.id] - start[x.id] for x in kernels if x.unit == "vector"),

@@ -62,6 +62,12 @@ FUSIBLE = frozenset({
 # Work on a few scalars (ranks, offsets, loop counters) runs on the cores' scalar units
 # inside the kernels that use it, not as kernels of its own.
 SCALAR_BYTES = 64
+# Regions made only of these feed a matmul the way its operand loads can (a cast, a
+# transpose, a slice or a broadcast of the operand as the cube unit reads it): folded into it.
+LAYOUT = frozenset({"convert_element_type", "transpose", "slice", "dynamic_slice", "broadcast_in_dim",
+                    "squeeze", "rev", "reduce_precision", "bitcast_convert_type"})
+# A jitted function of this name prefix is one fused kernel (strata.emulator.fused).
+FUSED_PREFIX = "strata_fused__"
 MATMUL = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
 # Reads of these are the slice they take, not the whole operand.
 SLICING = frozenset({"slice", "dynamic_slice"})
@@ -132,7 +138,7 @@ class Node:
 class Value:
     """A value of the program: who produces it, and its size."""
 
-    __slots__ = ("id", "nodes", "nbytes", "escapes")
+    __slots__ = ("id", "nodes", "nbytes", "escapes", "consumers", "returned")
     _next = 0
 
     def __init__(self, nodes: tuple, nbytes: int):
@@ -141,6 +147,8 @@ class Value:
         self.nodes = nodes        # producing node ids (several: a scan's stacked ys); () = a step input
         self.nbytes = nbytes
         self.escapes = False      # read by another node or returned: its producer writes it
+        self.consumers = set()    # nodes that read it
+        self.returned = False     # an output of the step
 
 
 class Graph:
@@ -173,7 +181,7 @@ class Graph:
         outs = self.run(jaxpr, env)
         for val in outs:
             if val is not None:
-                val.escapes = True
+                val.escapes = val.returned = True
         self.finish()
 
     def note(self, text: str) -> None:
@@ -230,6 +238,8 @@ class Graph:
             outs = self.moe(eqn, ins)
         elif name in FREE or self.scalar_work(eqn):
             outs = self.free(eqn, ins)
+        elif str(p.get("name", "")).startswith(FUSED_PREFIX) and self.subjaxpr(eqn) is not None:
+            outs = self.fused_kernel(eqn, ins)
         else:
             sub = self.subjaxpr(eqn)
             if sub is not None:
@@ -307,6 +317,7 @@ class Graph:
                 continue
             node.deps.update(val.nodes)
             val.escapes = True
+            val.consumers.add(node.id)
             b = val.nbytes if read_bytes is None else read_bytes[i]
             node.reads[val.id] = max(node.reads.get(val.id, 0), b)
 
@@ -356,6 +367,8 @@ class Graph:
         r.flops += flops
         r.vector_us += us
         r.members += 1
+        if eqn.primitive.name not in LAYOUT:
+            r.info["computes"] = True
         reads = None
         if eqn.primitive.name in SLICING:
             reads = [min(v.nbytes, nbytes(eqn.outvars[0].aval)) if v is not None else 0 for v in ins]
@@ -393,6 +406,37 @@ class Graph:
                 self.note(f"{name}: costed as a vector kernel of its own")
         self.depend(node, ins, reads)
         node.info["writes"] = writes * self.scale
+        return [self.value((node.id,), b) for b in outs_b]
+
+    def fused_kernel(self, eqn, ins):
+        """A function marked with strata.emulator.fused: one kernel whose
+        intermediates stay on chip. It reads its operands and writes its results
+        once; its matmuls run on the cube cores while its vector work runs on the
+        vector cores beside them (a mixed AIC/AIV kernel)."""
+        inner = Graph(self.spec, self.mode, self.settings, self.op_model)
+        inner.mesh, inner.scale = self.mesh, self.scale
+        sub = self.subjaxpr(eqn)
+        jaxpr = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+        env = {v: inner.value((), nbytes(v.aval)) for v in jaxpr.invars}
+        inner.run(jaxpr, env)
+        if any(x.kind == "collective" for x in inner.nodes):
+            self.note(f"{eqn.params['name']}: a fused kernel holding collectives is costed op by op")
+            return self.inline(sub, (), ins)
+        node = self.new_node(name=str(eqn.params["name"])[len(FUSED_PREFIX):], kind="compute", unit="vector")
+        cube = [x for x in inner.nodes if x.unit == "cube"]
+        node.flops = sum(x.flops for x in inner.nodes)
+        node.vector_us = sum(x.vector_us for x in inner.nodes)
+        node.info["cube_us"] = sum(x.flops / (self.spec.cube_tflops_per_rank(x.info.get("dtype", "bfloat16")) * 1e6)
+                                   for x in cube)
+        node.info["computes"] = True
+        if cube:
+            node.unit = "cube"
+            node.info["dtype"] = cube[0].info.get("dtype", "bfloat16")
+        node.members = len(inner.nodes)
+        self.depend(node, ins)
+        self.region = None
+        outs_b = [nbytes(v.aval) for v in eqn.outvars]
+        node.info["writes"] = sum(outs_b) * self.scale
         return [self.value((node.id,), b) for b in outs_b]
 
     def _group(self, axes) -> tuple[int, list]:
@@ -509,9 +553,41 @@ class Graph:
         return outs
 
     # -- costs --------------------------------------------------------------------------------
+    def fold_layout_regions(self) -> None:
+        """A region that only casts, transposes, slices or broadcasts what a
+        matmul then reads is done by the matmul's operand loads: the matmul reads
+        the region's inputs instead, and the region is no kernel."""
+        by_node: dict[int, list] = {}
+        for val in self.values:
+            for nid in val.nodes:
+                by_node.setdefault(nid, []).append(val)
+        for r in self.nodes:
+            if r.kind != "compute" or r.unit != "vector" or r.info.get("computes") or r.info.get("folded"):
+                continue
+            vals = [v for v in by_node.get(r.id, []) if v.consumers - {r.id} or v.returned]
+            consumers = set().union(*(v.consumers for v in vals)) - {r.id} if vals else set()
+            if not consumers or any(v.returned for v in vals) or any(
+                    self.nodes[c].unit != "cube" or self.nodes[c].kind != "compute" for c in consumers):
+                continue
+            mine = {v.id for v in vals}
+            for c in consumers:
+                node = self.nodes[c]
+                for vid in mine:
+                    node.reads.pop(vid, None)
+                for vid, b in r.reads.items():
+                    node.reads[vid] = max(node.reads.get(vid, 0), b)
+                node.deps.discard(r.id)
+                node.deps |= r.deps
+            for v in vals:
+                v.escapes = False
+            r.info["folded"] = True
+            r.flops = r.vector_us = 0.0
+            r.reads = {}
+
     def finish(self) -> None:
         """Settles every compute node's bytes (reads, and the values it writes
         that leave it) and its time on the rank."""
+        self.fold_layout_regions()
         writes = [0.0] * len(self.nodes)
         for val in self.values:
             if not val.escapes:
@@ -528,16 +604,23 @@ class Graph:
             if node.kind != "compute":
                 continue
             w = node.info.pop("writes", None)
+            if node.info.get("folded"):
+                node.bytes = node.time_us = node.hbm_bytes = 0.0
+                continue
             written = (w if w is not None else writes[node.id] * self.scale_of(node))
             node.bytes = sum(node.reads.values()) * self.scale_of(node) + written
             node.reads = {}
-            if node.unit == "cube":
+            if "cube_us" in node.info:      # a fused kernel: cube and vector cores side by side
+                t_flops = max(node.info.pop("cube_us"), node.vector_us) / eta
+                t_mem = node.bytes / (eta_m * hbm)
+            elif node.unit == "cube":
                 peak = sp.cube_tflops_per_rank(node.info.get("dtype", "bfloat16")) * 1e6  # flops/us
                 t_flops = node.flops / (eta * peak)
                 t_mem = node.bytes / (eta_m * hbm)
             else:
                 t_flops = node.vector_us / eta
                 t_mem = node.bytes / (eta_m * vec_bw)
+            node.info.pop("computes", None)
             node.info["bound"] = "compute" if t_flops >= t_mem else "memory"
             node.time_us = max(t_flops, t_mem) + sp.kernel_launch_us
             node.hbm_bytes = node.bytes

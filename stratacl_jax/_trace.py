@@ -66,6 +66,7 @@ def npu_name(npu: int) -> str:
 # Trace process ids: the host view, then one per modeled NPU.
 HOST_PID = 1
 MODEL_PID_BASE = 1000
+STEP_PID_BASE = 3000  # modeled whole steps (Trace.simulate), after the 384 + ops views
 
 
 @dataclass
@@ -111,6 +112,17 @@ class Trace:
         self.dropped = 0
         self._t0 = 0.0
         self._model_cache: dict = {}
+        self.steps: list = []  # ModeledSteps added by simulate(), drawn beside the ops
+
+    def simulate(self, fn, *args, mode: str = "strata", **settings):
+        """The step model of `fn(*args)` (strata.emulator.simulate on this
+        trace's preset), kept so the saved trace shows compute and
+        communication of the whole step on the modeled timeline too."""
+        from ._step import simulate
+
+        step = simulate(fn, *args, spec=self.spec, mode=mode, **settings)
+        self.steps.append(step)
+        return step
 
     def __enter__(self) -> "Trace":
         with _active_lock:
@@ -293,6 +305,8 @@ class Trace:
                            "dur": res.time_us, "args": {"mode": o.mode, "bytes_per_rank": o.bytes_per_rank,
                                                         "busbw_gbps": res.busbw_gbps, **res.breakdown}})
             ev.extend(self._lane_slices(res, o, start, cores))
+        for k, step in enumerate(self.steps):  # whole steps: compute and communication
+            ev.extend(step.trace_events(pid_base=STEP_PID_BASE + 100 * k, label=f"step {k}: "))
         return ev
 
     @staticmethod

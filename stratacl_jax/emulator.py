@@ -263,4 +263,4 @@ def make_mesh(shape, axis_names, *, devices=None) -> Mesh:
 
 from ._model import ModeledOp, model  # noqa: E402
 from ._trace import Trace, trace  # noqa: E402
-from ._step import ModeledStep, abstract_mesh, simulate  # noqa: E402
+from ._step import ModeledStep, abstract_mesh, fused, simulate  # noqa: E402

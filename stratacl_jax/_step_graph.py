@@ -535,7 +535,7 @@ class Graph:
         if rank_npu is not None and max(rank_npu) >= self.spec.num_ranks:
             rank_npu = None
         if op.startswith("moe"):
-            r = self.op_model(op, None, npus=n, mode=mode, dtype=dtype, rank_npu=rank_npu, **kwargs)
+            r = self.moe_model(op, n, mode, dtype, rank_npu, kwargs)
         else:
             r = self.op_model(op, int(size), npus=n, mode=mode, dtype=dtype, rank_npu=rank_npu, **kwargs)
         node.time_us = r.time_us
@@ -551,6 +551,38 @@ class Graph:
                      "core_us": max(r.lane_busy_us["core"], default=0.0), **{k: v for k, v in kwargs.items()
                                                                               if k != "perm"}}
         return outs
+
+    def moe_model(self, op, n, mode, dtype, rank_npu, kwargs):
+        """The op model of an MoE op. The buffer_centric runtime refuses an MoE op whose rows
+        do not fit the communication buffer; a vendor library stages it in rounds, as it
+        does collectives: so many rounds of fewer tokens (capacity shrinking alike), back to
+        back. The rows each round stages are the op model's (xla_ffi/model/model.cc)."""
+        rounds = 1
+        if mode == "buffer_centric":
+            t, cap, k = kwargs["tokens"], kwargs["capacity"], kwargs["top_k"]
+            row = kwargs["hidden"] * _model.DTYPE_SIZE[dtype]
+            w = 8 if dtype == "float64" else 4
+            x, slots, pairs = t * row, kwargs["num_experts"] // n * cap * row, t * k * w
+            need = {"moe_dispatch": max(x, slots), "moe_combine": max(x, slots),
+                    "moe_combine_backward": x + slots + pairs}[op]
+            rounds = max(1, -(-need // int(self.settings["comm_buffer_bytes"])))
+        while True:
+            kw = dict(kwargs)
+            if rounds > 1:
+                kw["tokens"] = -(-kwargs["tokens"] // rounds)
+                kw["capacity"] = max(1, -(-kwargs["capacity"] // rounds))
+            try:
+                r = self.op_model(op, None, npus=n, mode=mode, dtype=dtype, rank_npu=rank_npu, **kw)
+            except ValueError as e:
+                if "communication buffer" not in str(e) or rounds >= kwargs["tokens"]:
+                    raise
+                rounds += 1
+                continue
+            if rounds == 1:
+                return r
+            self.note(f"buffer_centric {op}: staged in {rounds} rounds of {kw['tokens']} tokens (its rows "
+                      f"exceed comm_buffer_bytes)")
+            return _Rounds(r, rounds)
 
     # -- costs --------------------------------------------------------------------------------
     def fold_layout_regions(self) -> None:
@@ -664,3 +696,14 @@ def weight(jaxpr) -> float:
         for b in eqn.params.get("branches", ()):
             total += weight(b) / max(1, len(eqn.params["branches"]))
     return total
+
+
+class _Rounds:
+    """An op model result repeated back to back `rounds` times."""
+
+    def __init__(self, r, rounds: int):
+        self.time_us = r.time_us * rounds
+        self.bytes_per_rank = r.bytes_per_rank * rounds
+        self.busbw_gbps = r.busbw_gbps
+        self.lane_busy_us = {k: [v * rounds for v in vs] for k, vs in r.lane_busy_us.items()}
+        self.breakdown = {k: v * rounds for k, v in r.breakdown.items()}

@@ -496,11 +496,12 @@ def _moe_layer(cfg, p, xs, attn_fn, routed):
     return [o.reshape(x.shape) for o, x in zip(outs, xs)], extras
 
 
-def _run_layers(cfg, params, xs, attn_fn, routed):
+def _run_layers(cfg, params, xs, attn_fn, routed, remat=False):
     """All layers: one lax.scan over the dense layers, one over the MoE layers.
 
     ``attn_fn(layer, p_layer, i, x)`` -> (x + attention of microbatch i, extra); ``layer`` is
-    the absolute layer index (a tracer). Returns (xs, extras stacked [n_layers, ...] per microbatch)."""
+    the absolute layer index (a tracer). Returns (xs, extras stacked [n_layers, ...] per microbatch).
+    ``remat``: each layer body is a ``jax.checkpoint`` (recomputed in the backward pass)."""
     extras_all = []
 
     def dense_body(carry, inp):
@@ -516,6 +517,8 @@ def _run_layers(cfg, params, xs, attn_fn, routed):
         p, layer = inp
         return _moe_layer(cfg, p, list(carry), lambda i, x: attn_fn(layer, p, i, x), routed)
 
+    if remat:
+        dense_body, moe_body = jax.checkpoint(dense_body), jax.checkpoint(moe_body)
     if cfg.n_dense_layers:
         xs, ext = lax.scan(dense_body, list(xs), (params["dense"], jnp.arange(cfg.n_dense_layers)))
         extras_all.append(ext)
@@ -572,7 +575,7 @@ def _decode_forward(cfg, params, tokens, positions, kv_cache, routed, microbatch
     return logits, new_cache
 
 
-def _sequence_forward(cfg, params, tokens, routed):
+def _sequence_forward(cfg, params, tokens, routed, remat=False):
     """Causal forward of ``tokens [B, L]`` (standard MLA): (hidden [B, L, H], cache [n_layers, B, L, kv_lora+rope])."""
     b, l = tokens.shape
     x = _embed(cfg, params, tokens)
@@ -587,7 +590,7 @@ def _sequence_forward(cfg, params, tokens, routed):
                           q_pe.reshape(b, l, cfg.n_heads, -1), entry, mask)
         return x + o.reshape(x.shape), entry
 
-    (x,), (cache,) = _run_layers(cfg, params, [x], attn_fn, routed)
+    (x,), (cache,) = _run_layers(cfg, params, [x], attn_fn, routed, remat)
     return x, cache
 
 
@@ -596,8 +599,8 @@ def _prefill_forward(cfg, params, tokens, routed):
     return _logits(cfg, params, x[:, -1]), cache
 
 
-def _train_loss(cfg, params, tokens, targets, routed):
-    x, _ = _sequence_forward(cfg, params, tokens, routed)
+def _train_loss(cfg, params, tokens, targets, routed, remat=False):
+    x, _ = _sequence_forward(cfg, params, tokens, routed, remat)
     logits = _logits(cfg, params, x.reshape(-1, x.shape[-1]))
     tgt = targets.reshape(-1)
     nll = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, tgt[:, None], axis=-1)[:, 0]
@@ -684,10 +687,8 @@ def train_step(cfg: Config, mesh, *, batch_per_rank: int, seq_len: int, capacity
     pspecs = param_pspecs(cfg, axis)
 
     def body(params, tokens, targets):
-        loss_fn = lambda prm: _train_loss(cfg, prm, tokens, targets, routed)  # noqa: E731
-        if remat:
-            loss_fn = jax.checkpoint(loss_fn)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = jax.value_and_grad(
+            lambda prm: _train_loss(cfg, prm, tokens, targets, routed, remat))(params)
         replicated, g_experts = _split_experts(grads)
         replicated = strata.all_reduce(replicated, axis, op="mean")
         g_experts = jax.tree.map(lambda g: g / n, g_experts)

@@ -125,7 +125,7 @@ def test_decode_matches_reference(cfg, params, mesh, decode_data, decode_ref, mi
     logits, cache = jit(fn)(params, *decode_data)
     ref_logits, ref_cache = decode_ref
     assert logits.shape == (N * B_DECODE, cfg.vocab) and logits.dtype == jnp.float32
-    assert float(jnp.std(ref_logits)) > 0.1  # a real signal, not zeros
+    assert np.std(np.asarray(ref_logits)) > 0.1  # a real signal, not zeros
     close(logits, ref_logits, what="logits")
     close(cache, ref_cache, what="kv cache")
     # the step wrote exactly one entry per sequence and layer, at its position
@@ -162,10 +162,11 @@ def test_train_loss_and_every_gradient_match_reference(cfg, params, mesh, seq_da
     ref_loss, ref_grads = jit(jax.value_and_grad(
         lambda p, t, y: ds.reference_train_loss(cfg, p, t, y)))(params, tokens, targets)
     close(loss, ref_loss, what="loss")
+    grads, ref_grads = jax.device_get((grads, ref_grads))  # compare on the host: no eager XLA compiles
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     paths = jax.tree_util.tree_flatten_with_path(ref_grads)[0]
     for (path, want), got in zip(paths, jax.tree.leaves(grads)):
-        assert float(jnp.max(jnp.abs(want))) > 0, jax.tree_util.keystr(path)
+        assert np.any(np.asarray(want) != 0), jax.tree_util.keystr(path)
         close(got, want, what=jax.tree_util.keystr(path))
 
 
@@ -178,7 +179,8 @@ def test_int8_decode_close_to_float(cfg, params, mesh, decode_data, decode_ref):
     assert int8_dots(traced.jaxpr.jaxpr)  # dot_general(int8, int8) -> int32
     logits, cache = traced.lower().compile()(pq, *decode_data)
     ref_logits, _ = decode_ref
-    rel = float(jnp.linalg.norm(logits - ref_logits) / jnp.linalg.norm(ref_logits))
+    got, want = np.asarray(logits), np.asarray(ref_logits)  # host-side: no eager XLA compiles
+    rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     assert rel < INT8_REL_L2, rel
     assert np.all(np.isfinite(np.asarray(cache)))
 

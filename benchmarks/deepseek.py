@@ -40,6 +40,7 @@ activation dtype (CloudMatrix-Infer quantizes to int8 before dispatch).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -378,12 +379,25 @@ def _mla_standard(cfg, p, q_nope, q_pe, kv, mask):
     lat, k_pe = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
     k_nope = _mm(cfg, "sc,chd->shd", lat.reshape(b * s, -1), p["w_uk"]).reshape(b, s, cfg.n_heads, -1)
     v = _mm(cfg, "sc,chv->shv", lat.reshape(b * s, -1), p["w_uv"]).reshape(b, s, cfg.n_heads, -1)
+    o = _attention_kernel(cfg, "mla_attention")(q_nope, q_pe, k_nope, k_pe, v, mask)
+    return _mm(cfg, "tx,xh->th", o.reshape(b * t, cfg.n_heads * cfg.v_head_dim), p["wo"])
+
+
+def _attention_kernel(cfg, name):
+    """The attention core as one fused kernel for the step model (strata.emulator.fused: the
+    scores and probabilities stay on chip, as in the fused MLA kernels deployments run); on the
+    host an ordinary jax.jit, inlined into the step."""
+    return strata.emulator.fused(functools.partial(_ATTENTION[name], cfg), name=name)
+
+
+def _mla_attention(cfg, q_nope, q_pe, k_nope, k_pe, v, mask):
+    """softmax(q k^T / sqrt(d), masked) v for ``q_nope/q_pe [B, T, h, .]``, ``k_nope/v [B, S, h, .]``,
+    ``k_pe [B, S, rope]``, ``mask [B, T, S]``: ``[B, T, h, v]``."""
     scores = (jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=_F32)
               + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=_F32))
     scores = jnp.where(mask[:, None], scores / math.sqrt(cfg.qk_head_dim), _NEG)
     prob = jax.nn.softmax(scores, axis=-1).astype(cfg.act)
-    o = jnp.einsum("bhts,bshv->bthv", prob, v).reshape(b * t, cfg.n_heads * cfg.v_head_dim)
-    return _mm(cfg, "tx,xh->th", o, p["wo"])
+    return jnp.einsum("bhts,bshv->bthv", prob, v)
 
 
 def _mla_absorbed(cfg, p, q_nope, q_pe, cache, pos, entry):
@@ -393,12 +407,21 @@ def _mla_absorbed(cfg, p, q_nope, q_pe, cache, pos, entry):
     ``q_nope [B, h, nope]``, ``q_pe [B, h, rope]``, ``cache [B, context, kv_lora+rope]`` (the
     positions before ``pos [B]`` are valid), ``entry [B, kv_lora+rope]`` (this token's, at ``pos``).
     Returns ``[B, H]``."""
-    kvl, ctx = cfg.kv_lora_rank, cache.shape[1]
     w_uk = p["w_uk"]
     if isinstance(w_uk, dict):  # W_uk's per-channel scale sits on the absorbed (contracted) axis: fold it into q
         q_lat = _mm(cfg, "bhd,chd->bhc", q_nope.astype(_F32) * w_uk["s"], {"w": w_uk["w"], "s": None})
     else:
         q_lat = _mm(cfg, "bhd,chd->bhc", q_nope, w_uk)
+    o_lat = _attention_kernel(cfg, "mla_decode_attention")(q_lat, q_pe, cache, pos, entry)
+    o = _mm(cfg, "bhc,chv->bhv", o_lat, p["w_uv"])
+    return _mm(cfg, "bx,xh->bh", o.reshape(o.shape[0], -1), p["wo"])
+
+
+def _mla_decode_attention(cfg, q_lat, q_pe, cache, pos, entry):
+    """Attention of one token per sequence over the latent cache (positions < ``pos`` valid) and
+    its own ``entry``: ``q_lat [B, h, kv_lora]``, ``q_pe [B, h, rope]``, ``cache [B, context,
+    kv_lora+rope]``, ``entry [B, kv_lora+rope]`` -> the latent output ``[B, h, kv_lora]``."""
+    kvl, ctx = cfg.kv_lora_rank, cache.shape[1]
     lat, k_pe = cache[..., :kvl], cache[..., kvl:]
     s_cache = (jnp.einsum("bhc,bsc->bhs", q_lat, lat, preferred_element_type=_F32)
                + jnp.einsum("bhr,bsr->bhs", q_pe, k_pe, preferred_element_type=_F32))
@@ -408,10 +431,11 @@ def _mla_absorbed(cfg, p, q_nope, q_pe, cache, pos, entry):
     s_cache = jnp.where(valid[:, None, :], s_cache, _NEG)
     scores = jnp.concatenate([s_cache, s_new[..., None]], axis=-1) / math.sqrt(cfg.qk_head_dim)
     prob = jax.nn.softmax(scores, axis=-1)
-    o_lat = (jnp.einsum("bhs,bsc->bhc", prob[..., :ctx].astype(cfg.act), lat, preferred_element_type=_F32)
-             + prob[..., ctx:] * entry[:, None, :kvl].astype(_F32)).astype(cfg.act)
-    o = _mm(cfg, "bhc,chv->bhv", o_lat, p["w_uv"])
-    return _mm(cfg, "bx,xh->bh", o.reshape(o.shape[0], -1), p["wo"])
+    return (jnp.einsum("bhs,bsc->bhc", prob[..., :ctx].astype(cfg.act), lat, preferred_element_type=_F32)
+            + prob[..., ctx:] * entry[:, None, :kvl].astype(_F32)).astype(cfg.act)
+
+
+_ATTENTION = {"mla_attention": _mla_attention, "mla_decode_attention": _mla_decode_attention}
 
 
 # -- routed experts: expert parallel (strata) or dense (reference) ---------------------------------
@@ -555,7 +579,8 @@ def _decode_forward(cfg, params, tokens, positions, kv_cache, routed, microbatch
 
     def attn_fn(layer, p, i, x):
         pos = pos_mb[i]
-        cache = lax.dynamic_index_in_dim(kv_cache, layer, 0, keepdims=False)[i * bm:(i + 1) * bm]
+        # One slice of the layer's and micro-batch's cache (read once, not the layer's whole cache).
+        cache = lax.dynamic_slice(kv_cache, (layer, i * bm, 0, 0), (1, bm) + kv_cache.shape[2:])[0]
         xn = _rms(cfg, x, p["attn_norm"])
         q_nope, q_pe = _mla_q(cfg, p["attn"], xn, pos)
         entry = _mla_entry(cfg, p["attn"], xn, pos)

@@ -355,14 +355,25 @@ class Graph:
         return flops, flops / (self.spec.vector_tflops_per_rank(dtype_name(out or eqn.invars[0].aval)) * 1e6)
 
     def fused(self, eqn, ins):
-        """Joins the open vector region, or opens one (see module docstring)."""
-        r = self.region
+        """Joins the region of its most recent fusible producer, or opens one (see the
+        module docstring). An equation that reads nothing (iota, a broadcast constant) is
+        generated in registers by whoever uses it: no node, no bytes."""
+        if all(v is None for v in ins):
+            return [self.value((), 0) for _ in eqn.outvars]
+        # Scalars (a layer index, an offset) go into any kernel: they pull it into no region.
+        cands = [n for v in ins if v is not None and v.nbytes > SCALAR_BYTES for n in v.nodes
+                 if self.nodes[n].unit == "vector" and self.nodes[n].kind == "compute"
+                 and self.nodes[n].info.get("region") and self.nodes[n].info.get("scale", 1.0) == self.scale]
+        r = self.nodes[max(cands)] if cands else None
+        if r is None and self.region is not None and self.region.info.get("region") and \
+                self.region.info.get("scale", 1.0) == self.scale and any(v is not None and v.id in self.region.reads for v in ins):
+            r = self.region  # a sibling: it reads what the open region reads
         # Values issued before the region began cannot depend on it: taking them keeps
         # the graph acyclic.
-        ok = r is not None and r.info.get("scale", 1.0) == self.scale and \
-            all(val is None or all(n <= r.id for n in val.nodes) for val in ins)
-        if not ok:
-            r = self.region = self.new_node(name=self._name(eqn), kind="compute", unit="vector")
+        if r is None or not all(val is None or all(n <= r.id for n in val.nodes) for val in ins):
+            r = self.new_node(name=self._name(eqn), kind="compute", unit="vector")
+            r.info["region"] = True
+        self.region = r
         flops, us = self._vector_us(eqn)
         r.flops += flops
         r.vector_us += us
@@ -653,6 +664,7 @@ class Graph:
                 t_flops = node.vector_us / eta
                 t_mem = node.bytes / (eta_m * vec_bw)
             node.info.pop("computes", None)
+            node.info.pop("region", None)
             node.info["bound"] = "compute" if t_flops >= t_mem else "memory"
             node.time_us = max(t_flops, t_mem) + sp.kernel_launch_us
             node.hbm_bytes = node.bytes

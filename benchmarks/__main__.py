@@ -73,7 +73,7 @@ def tour_parser() -> argparse.ArgumentParser:
 def npus_for(name: str, args) -> int:
     if name == "collectives":
         return collectives.npus_and_mesh(args)[0]
-    return args.npus
+    return args.npus if args.npus is not None else 8  # train: --npus counts packages with --model-only
 
 
 def run_one(name: str, args) -> common.Report:

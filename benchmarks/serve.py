@@ -129,7 +129,7 @@ def model_config(args, **overrides):
 
 def ranks_for(args, spec, what: str = "--npus") -> int:
     ranks = args.npus * spec.ranks_per_npu
-    if ranks > spec.num_ranks:
+    if args.npus > spec.num_npus:
         raise SystemExit(f"serve: {what} {args.npus} is more than the supernode's {spec.num_npus} NPUs")
     return ranks
 

@@ -256,3 +256,29 @@ def test_bad_arguments_are_clear_errors():
         strata.emulator.abstract_mesh((2, 4), ("x",))
     with pytest.raises(TypeError, match="callable"):
         simulate(3, *args)
+
+
+def test_full_size_deepseek_decode_on_320_ranks():
+    """The DeepSeek-shaped decode step (benchmarks/deepseek.py, run for real at a tiny size in
+    tests/test_deepseek.py) simulated at full size: one rank per die, EP320."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import deepseek
+
+    dies = strata.emulator.preset("cloudmatrix384_dies")
+    mesh = strata.emulator.abstract_mesh((320,), ("ep",), spec=dies)
+    cfg = deepseek.deepseek_v3(param_dtype="int8")
+    fn, args = deepseek.decode_step(cfg, mesh, batch_per_rank=48, context=4096, microbatches=2)
+    r = simulate(fn, *args, spec=dies)
+    names = [o["name"] for o in r.ops]
+    # 58 MoE layers x 2 micro-batches: a dispatch and a combine each; 61 x 2 attention kernels.
+    assert names.count("strata moe_dispatch") == names.count("strata moe_combine") == 116
+    assert names.count("mla_decode_attention") == 122
+    assert all(o["group"] == 320 for o in r.ops if o["kind"] == "collective")
+    assert r.npus == 320 and r.time_us == max(o["end_us"] for o in r.ops)
+    assert r.compute_us + r.exposed_comm_us <= r.time_us * (1 + 1e-9)
+    assert 0 < r.exposed_comm_us < r.comm_us  # the micro-batches hide part of the communication
+    # int8 weights: the expert and projection matmuls run on int8 operands.
+    assert any(o["unit"] == "cube" and o.get("dtype") == "int8" for o in r.ops)

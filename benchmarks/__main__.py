@@ -31,6 +31,8 @@ TOUR = {
     "train": ["-n", "5", "-w", "2", "--mode", "all"],
     "latency": ["--npus", "8", "--sizes", "1K", "--pattern", "chained", "--chain", "8",
                 "-n", "10", "--repeats", "3"],
+    # The full-size DeepSeek decode step on the supernode (modeled: nothing runs on the host).
+    "serve": ["--model-only", "--npus", "160", "--batch-per-npu", "96", "--context", "4096"],
 }
 QUICK = {  # --quick: the smallest tour that still touches every path (smoke tests)
     "collectives": ["-b", "1K", "-e", "4K", "-f", "4", "-n", "2", "-w", "1"],
@@ -40,6 +42,7 @@ QUICK = {  # --quick: the smallest tour that still touches every path (smoke tes
               "-n", "2", "-w", "1"],
     "latency": ["--npus", "8", "--sizes", "1K", "--op", "all_reduce,moe", "--pattern", "chained",
                 "--chain", "2", "-n", "2", "-w", "1", "--repeats", "1"],
+    "serve": ["--model-only", "--model", "tiny", "--npus", "4", "--batch-per-npu", "4", "--context", "64"],
 }
 
 
@@ -59,7 +62,8 @@ def parse(name: str, argv: list[str]) -> argparse.Namespace:
 def tour_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Short tour on emulated NPUs: collectives sweep, MoE ops, training step. "
+        description="Short tour on emulated NPUs: collectives sweep, MoE ops, training step, small-op "
+                    "latency, and the DeepSeek decode step modeled on the supernode. "
                     "Subcommands: " + "; ".join(f"{k}: {v[1]}" for k, v in SUBCOMMANDS.items())
                     + ". Run `python -m benchmarks SUBCOMMAND -h` for their flags.")
     p.add_argument("--out", default="bench_out", help="output folder (bench_out)")
@@ -95,9 +99,9 @@ def tour(targs) -> int:
     plan = QUICK if targs.quick else TOUR
     md = [f"# Benchmark tour ({targs.npus} emulated NPUs)", ""]
     reports: dict[str, common.Report] = {}
-    for name in ("collectives", "moe", "train", "latency"):
-        # (latency runs each NPU count of its own in a child process)
-        argv = plan[name] + ([] if name == "latency" else ["--npus", str(targs.npus)])
+    for name in ("collectives", "moe", "train", "latency", "serve"):
+        # (latency runs each NPU count of its own in a child process; serve models the supernode)
+        argv = plan[name] + ([] if name in ("latency", "serve") else ["--npus", str(targs.npus)])
         argv += ["--out", targs.out]
         if name == "train":
             argv += ["--trace", os.path.join(targs.out, "train_step_trace.json")]
@@ -161,8 +165,23 @@ def tour_summary(reports: dict, npus: int) -> str:
                                  f"{r['traced_host_comm_ms']:.2f} ms on this host; modeled "
                                  f"{r['modeled_comm_strata_ms'] * 1e3:.1f} us on the supernode "
                                  f"(buffer_centric {r['modeled_comm_buffer_centric_ms'] * 1e3:.1f} us)")
+                if r.get("modeled_step_ms"):
+                    lines.append(f"                  the whole step modeled (compute + communication): "
+                                 f"{r['modeled_step_ms'] * 1e3:.1f} us, "
+                                 f"{r['modeled_exposed_comm_ms'] * 1e3:.1f} us of it exposed communication")
         if tr.params.get("trace_path"):
             lines.append(f"  trace of one training step: {tr.params['trace_path']} (open in ui.perfetto.dev)")
+    srv = reports.get("serve")
+    if srv is not None and srv.rows:
+        p = srv.params
+        by = {r["mode"]: r for r in srv.rows}
+        st, bc = by.get("strata"), by.get("buffer_centric")
+        if st and bc:
+            lines.append(f"  {p['model']} decode, modeled on {p['npus']} NPUs ({p['dtype']}, batch "
+                         f"{st['batch_per_npu']}/NPU, context {p['context']}): TPOT {st['tpot_ms']:.1f} ms, "
+                         f"{st['tokens_per_s_per_npu']:.0f} tokens/s per NPU; buffer_centric "
+                         f"{bc['tpot_ms'] / st['tpot_ms']:.2f}x the TPOT (published: 1943 tokens/s per NPU "
+                         f"at TPOT < 50 ms)")
     lat = reports.get("latency")
     if lat is not None:
         for r in lat.rows:

@@ -7,12 +7,17 @@ Every equation becomes part of a *node*:
 - matmul-like equations (dot_general, conv, ragged_dot) are one cube-unit
   kernel each: flops from the shapes, bytes = operands read + result written;
 - other arithmetic runs on the vector cores, grouped the way a fusing compiler
-  groups it (XLA's loop fusion): consecutive elementwise / broadcast /
-  reduction / layout equations join one region, which reads its inputs from
-  HBM once and writes only the values used outside it. A region never takes
-  an equation that depends on a node issued after the region began, so
-  regions cannot form cycles. Sort, top_k, gather, scatter, cumulative ops and
-  in-place updates are kernels of their own;
+  groups it (XLA's loop fusion): an elementwise / broadcast / reduction /
+  layout equation joins the region of its most recent producer (or, reading
+  only step inputs, the region that reads the same input), which reads its
+  inputs from HBM once and writes only the values used outside it. Scalars
+  pull no equation into their region; a region never takes an equation that
+  depends on a node issued after the region began, so regions cannot form
+  cycles. A region that only casts, transposes, slices or broadcasts what
+  matmuls read is folded into them. Sort, top_k, gather, scatter, cumulative
+  ops and in-place updates are kernels of their own;
+- a function marked with `strata.emulator.fused` is one kernel: its
+  intermediates stay on chip;
 - collectives (strata's primitives, the MoE custom calls, and XLA's own psum,
   all_gather, psum_scatter, all_to_all, ppermute, pbroadcast, psum_invariant,
   ragged_all_to_all — including those autodiff inserts) are one node each,
@@ -31,6 +36,7 @@ the device count. Time of a kernel: max(flops / (eta * peak), bytes /
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -139,11 +145,10 @@ class Value:
     """A value of the program: who produces it, and its size."""
 
     __slots__ = ("id", "nodes", "nbytes", "escapes", "consumers", "returned")
-    _next = 0
+    _ids = itertools.count(1)
 
     def __init__(self, nodes: tuple, nbytes: int):
-        Value._next += 1
-        self.id = Value._next
+        self.id = next(Value._ids)
         self.nodes = nodes        # producing node ids (several: a scan's stacked ys); () = a step input
         self.nbytes = nbytes
         self.escapes = False      # read by another node or returned: its producer writes it
@@ -161,7 +166,7 @@ class Graph:
         self.notes: list[str] = []
         self.mesh = None                # (shape, axis names) of the innermost shard_map
         self.scale = 1.0                # 1 / devices outside shard_map
-        self.region: Node | None = None  # the open fusion region
+        self.region: Node | None = None  # the fusion region that grew last
         self.values: list[Value] = []
         self._noted: set = set()
 

@@ -78,7 +78,9 @@ class ModeledStep:
         cp = self.critical_path
         if cp:
             shown = cp if len(cp) <= 6 else cp[:3] + ["..."] + cp[-3:]
-            lines += ["", f"  critical path ({len(cp)} ops): " + " -> ".join(s[-30:] for s in shown)]
+            lines += ["", f"  critical path: {len(cp)} ops, {b['critical_compute_us']:.1f} us of kernels and "
+                          f"{b['critical_comm_us']:.1f} us of collectives",
+                      "    " + " -> ".join(s[-30:] for s in shown)]
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
@@ -394,14 +396,19 @@ def _result(graph, sp, mode, npus, settings, start, end, gate, total, slowed) ->
         "comm_bytes": sum(x.bytes for x in nodes if x.kind == "collective"),
     }
     path = []
+    on_path = {"compute": 0.0, "collective": 0.0}
     if nodes:
         i = max(range(len(nodes)), key=lambda k: (end[k], -k))
         seen = set()
         while i >= 0 and i not in seen:
             seen.add(i)
-            path.append(nodes[i].name)
+            if not nodes[i].info.get("folded"):
+                path.append(nodes[i].name)
+                on_path[nodes[i].kind] += end[i] - start[i]
             i = gate[i]
         path.reverse()
+    breakdown["critical_compute_us"] = on_path["compute"]
+    breakdown["critical_comm_us"] = on_path["collective"]
     return ModeledStep(time_us=total, compute_us=compute_us, comm_us=comm_us, exposed_comm_us=max(0.0, exposed),
                        npus=npus, mode=mode, breakdown=breakdown, ops=ops, critical_path=path, spec=sp.name,
                        settings=dict(settings), notes=list(graph.notes))

@@ -135,17 +135,32 @@ def test_config_validation():
     assert strata._config.current().cores_per_npu == 48
 
 
-def test_reductions_run_on_cores_and_movement_on_sdma(mesh8):
+def test_reductions_run_on_cores_and_movement_by_size(mesh8):
+    # Reductions run on vector cores. Pure movement runs on SDMA engines once
+    # their descriptor cost is amortised (collective.h, MovesOnSdma: input +
+    # output per rank >= descriptor_us x engines x 2 x sdma_gbps, 61 MB with
+    # 16 engines), on cores below; with one engine the threshold is 3.8 MB.
     x = random_array(np.random.default_rng(6), (8 * 4096,), np.float32)
     strata.reset_stats()
     shard_run(lambda v: strata.all_reduce(v, "x"), mesh8, x)
     s = strata.stats()
     assert sum(map(sum, s["core_bytes"])) > 0 and sum(map(sum, s["sdma_bytes"])) == 0
     strata.reset_stats()
-    shard_run(lambda v: strata.all_gather(v, "x", tiled=True), mesh8, x)
+    shard_run(lambda v: strata.all_gather(v, "x", tiled=True), mesh8, x)  # 16 KB per rank: cores
     s = strata.stats()
+    assert sum(map(sum, s["core_bytes"])) > 0 and sum(map(sum, s["sdma_bytes"])) == 0
+    big = random_array(np.random.default_rng(7), (8 * (128 << 10),), np.float32)  # 512 KB per rank
+    with strata.config(sdma_engines_per_npu=1):
+        strata.reset_stats()
+        shard_run(lambda v: strata.all_gather(v, "x", tiled=True), mesh8, big)  # in + out 4.7 MB: SDMA
+        s = strata.stats()
     assert sum(map(sum, s["sdma_bytes"])) > 0 and sum(map(sum, s["core_bytes"])) == 0
-    assert len(s["sdma_bytes"]) == 8 and len(s["sdma_bytes"][0]) == strata._config.current().sdma_engines_per_npu
+    assert len(s["sdma_bytes"]) == 8 and len(s["sdma_bytes"][0]) == 1
+    # The same op traced with 16 engines stays on cores (4.7 MB < 61 MB).
+    strata.reset_stats()
+    shard_run(lambda v: strata.all_gather(v, "x", tiled=True), mesh8, big)
+    s = strata.stats()
+    assert sum(map(sum, s["core_bytes"])) > 0 and sum(map(sum, s["sdma_bytes"])) == 0
 
 
 @pytest.mark.parametrize("kind,name", [(0, "all_reduce"), (3, "all_to_all"), (2, "reduce_scatter")])

@@ -318,8 +318,11 @@ def test_groups_of_a_2d_mesh_and_stats(mesh2x4):
     # Each accepted row moves once each way, user buffer to user buffer.
     assert stats["bytes_direct"] == 2 * accepted_rows * row_bytes
     assert stats["bytes_staged"] == 0
-    assert sum(map(sum, stats["sdma_bytes"])) >= 2 * accepted_rows * row_bytes
-    assert sum(map(sum, stats["core_bytes"])) >= accepted_rows * row_bytes
+    # Dispatch is small here, so it runs on cores too (the collectives' rule,
+    # moe.h MoeDispatchOnSdma): every row read + written by a core, then
+    # combine's reads.
+    assert sum(map(sum, stats["sdma_bytes"])) == 0
+    assert sum(map(sum, stats["core_bytes"])) >= 3 * accepted_rows * row_bytes
 
 
 def test_buffer_centric_mode(mesh8):

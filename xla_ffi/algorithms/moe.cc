@@ -53,6 +53,11 @@ int64_t ExpertIds::At(int64_t i) const {
   }
 }
 
+bool MoeDispatchOnSdma(const MoeParams& p, double descriptor_us, double sdma_gbps) {
+  return MoeDispatchOnSdma(p.tokens, p.row_bytes(), p.local_experts() * p.capacity, p.engines, descriptor_us,
+                           sdma_gbps);
+}
+
 DType MoeWeightDType(DType rows) { return rows == DType::F64 ? DType::F64 : DType::F32; }
 
 bool MoeSupportsCombine(DType rows) {
@@ -677,9 +682,11 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
         moved += rb;
       }
       Stats& stats = GlobalStats();
+      const bool sdma = MoeDispatchOnSdma(p);
+      const int lanes = sdma ? p.engines : p.cores;
       if (moved + zeroed > 0)
-        stats.AddLaneBytes(true, devices[task.rank], static_cast<int>(task.chunk % p.engines),
-                           p.engines, 2 * moved + zeroed);
+        stats.AddLaneBytes(sdma, devices[task.rank], static_cast<int>(task.chunk % lanes), lanes,
+                           2 * moved + zeroed);
       stats.AddExchanged(moved, direct);
     };
     phases.push_back(std::move(exchange));

@@ -140,6 +140,7 @@ nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t bl
   for (const LaneTask& t : plan.tasks) lane_bytes[t.npu][t.lane] += t.bytes;
   nb::dict d;
   d["imbalance"] = LaneImbalance(plan);
+  d["on_sdma"] = plan.on_sdma;
   d["lane_bytes"] = lane_bytes;
   d["transfers"] = plan.transfers.size();
   d["tasks"] = plan.tasks.size();

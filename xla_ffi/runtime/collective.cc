@@ -63,7 +63,7 @@ void OpParams::PlanKey(std::string* out) const {
   key.clear();
   auto put = [&key](const auto& v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
   put(kind), put(dtype), put(op), put(root), put(group_size), put(in_blocks), put(out_blocks);
-  put(block_bytes), put(cores), put(engines), put(planner);
+  put(block_bytes), put(cores), put(engines), put(planner), put(movement_lanes);
   key.append(reinterpret_cast<const char*>(perm.data()), perm.size() * sizeof(int32_t));
 }
 
@@ -109,9 +109,25 @@ Plan BuildPartitionedPlan(const OpParams& p) {
     case OpKind::kBroadcast: BuildBroadcastPlan(p, plan); break;
     case OpKind::kPermute: BuildPermutePlan(p, plan); break;
   }
-  // Reductions run on vector cores; pure data movement on DMA engines.
-  Partition(plan, plan.is_reduction() ? p.cores : p.engines, p.planner);
+  // Reductions run on vector cores; pure data movement on DMA engines when
+  // their descriptor cost is amortised, else on the cores (MovesOnSdma).
+  plan.on_sdma = MovesOnSdma(p);
+  Partition(plan, plan.on_sdma ? p.engines : p.cores, p.planner);
   return plan;
+}
+
+bool MovesOnSdma(int64_t bytes_per_rank, int engines, double descriptor_us, double sdma_gbps) {
+  // Engines stream read + written bytes at 2 x sdma_gbps each (1 GB/s = 1e3 B/us).
+  const double streaming_us = static_cast<double>(bytes_per_rank) /
+                              (std::max(1, engines) * 2.0 * sdma_gbps * 1e3);
+  return streaming_us >= descriptor_us;
+}
+
+bool MovesOnSdma(const OpParams& p, double descriptor_us, double sdma_gbps) {
+  if (p.op != ReduceOp::kNone) return false;
+  if (p.movement_lanes >= 0) return p.movement_lanes == 1;
+  return MovesOnSdma(p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes, p.engines, descriptor_us,
+                     sdma_gbps);
 }
 
 int64_t CommWindowBytes(const OpParams& p) {
@@ -404,7 +420,7 @@ Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, const std::vector<
                                 : RunPieces(*plan, chunk, v, *devices, &lane_bytes);
     if (v.streaming) StoreFence();
     Stats& stats = GlobalStats();
-    stats.AddLaneBytes(!plan->is_reduction(), plan->lanes_per_npu, lane_bytes);
+    stats.AddLaneBytes(plan->on_sdma, plan->lanes_per_npu, lane_bytes);
     stats.AddExchanged(written, direct);
   };
   return phase;
@@ -459,6 +475,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
     const int64_t w = std::min(window, m - lo);
     OpParams round = p;
     round.block_bytes = w;
+    round.movement_lanes = MovesOnSdma(p) ? 1 : 0;  // the op's choice, every round
     std::shared_ptr<const Plan> plan = communicator->GetPlan(round);
     v.col_lo = 0;  // the round's plan addresses the window's own columns
     v.col_hi = w;

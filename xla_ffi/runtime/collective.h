@@ -36,6 +36,11 @@ struct OpParams {
   int32_t cores = 1, engines = 1;
   Planner planner = Planner::kBalanced;
   int64_t comm_buffer_bytes = 200 << 20;
+  // Which lanes a pure-movement plan runs on: -1 decides by MovesOnSdma(*this)
+  // (below); 0 cores, 1 SDMA engines. buffer_centric rounds inherit the whole
+  // op's choice (the descriptor cost is per op, not per round). Derived from
+  // the other fields, so not part of the signature the ranks compare.
+  int32_t movement_lanes = -1;
 
   std::string Describe() const;  // for mismatch errors
   Signature Sign() const;         // what the ranks compare (Describe on mismatch)
@@ -65,6 +70,31 @@ inline bool RunsInline(Mode mode, int64_t bytes_per_rank, int64_t group_size, in
 // A collective: up to one host chunk (Partition's host_chunk_bytes), the most
 // one worker task holds, so the workers would get a single task anyway.
 bool RunsInline(const OpParams& params);
+
+// The one rule that puts pure data movement on cores or on SDMA engines,
+// used by the runtime (BuildPartitionedPlan, MoE dispatch) and by the
+// supernode model (model.cc) alike. An op that uses the engines pays their
+// descriptor submission once (StrataCL: ~90 us); the engines then stream the
+// rank's bytes (read + written) at 2 x sdma_gbps each. The engines are used
+// when that submission is amortised: when streaming the op's bytes on the
+// engines takes at least as long as the submission, i.e.
+//     bytes_per_rank >= descriptor_us x engines x 2 x sdma_gbps
+// (61 MB with the defaults: 90 us, 16 engines, 21.18 GB/s). Below that the
+// vector cores move it (no descriptor chain; a core's DataCopy is issued
+// directly), as a vendor library picks AIV kernels for small messages.
+// Pure timing would always pick the cores (48 cores copy faster than 16
+// engines in the preset), but it does not value the cores the offload frees
+// for compute; the rule keeps the offload for the ops where it costs at most
+// as much again as the transfer. The defaults are the preset's figures
+// (stratacl_jax/emulator.py, SupernodeSpec: sdma_descriptor_us, sdma_gbps).
+inline constexpr double kSdmaDescriptorUs = 90.0;
+inline constexpr double kSdmaGbps = 21.18;
+bool MovesOnSdma(int64_t bytes_per_rank, int engines, double descriptor_us = kSdmaDescriptorUs,
+                 double sdma_gbps = kSdmaGbps);
+// A collective: reductions run on cores; movement by the rule above, over
+// the rank's input + output bytes (rows x (in_blocks + out_blocks) x block).
+bool MovesOnSdma(const OpParams& p, double descriptor_us = kSdmaDescriptorUs,
+                 double sdma_gbps = kSdmaGbps);
 
 // OpParams from the plain values bindings and tools pass (enums as ints).
 OpParams MakeOpParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,

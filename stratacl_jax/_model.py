@@ -57,6 +57,7 @@ class ModeledOp:
     lane_busy_all_us: np.ndarray | None = field(default=None, repr=False)
     slices: np.ndarray | None = field(default=None, repr=False)  # rank, kind, lane, phase, start, end, bytes
     phase_kinds: list | None = field(default=None, repr=False)
+    lanes: str = "core"      # the kind of lane that moved the data: "core" or "sdma" (the runtime's rule)
 
 
 def _settings(planner, cores_per_npu, sdma_engines_per_npu, comm_buffer_bytes) -> dict:
@@ -87,7 +88,7 @@ def _result(op, n, mode, nbytes, s_bytes, bus_bytes, raw, spec, settings, footpr
                    float(ingress.max()) / (spec.ub_ingress_gbps_per_rank * 1e3))
     lower = (float(raw["min_remote_latency_us"]) + wire) if wire > 0 else 0.0
     breakdown = {k: float(raw[k]) for k in (
-        "sync_us", "exchange_us", "stage_us", "latency_us", "descriptor_us", "busiest_lane_us",
+        "sync_us", "exchange_us", "stage_us", "latency_us", "descriptor_us", "message_us", "busiest_lane_us",
         "busiest_hbm_us", "busiest_egress_us", "busiest_ingress_us", "busiest_path_us")}
     return ModeledOp(
         op=op, npus=n, mode=mode, bytes_per_rank=int(nbytes), time_us=t,
@@ -98,7 +99,7 @@ def _result(op, n, mode, nbytes, s_bytes, bus_bytes, raw, spec, settings, footpr
                       "sdma": busy[worst, cores:].tolist() if busy.size else []},
         lower_bound_us=lower, fits_hbm=footprint <= spec.hbm_bytes_per_rank, spec=spec.name,
         settings=settings, lane_busy_all_us=busy, slices=np.asarray(raw["slices"]),
-        phase_kinds=list(raw["phase_kinds"]))
+        phase_kinds=list(raw["phase_kinds"]), lanes="sdma" if raw["on_sdma"] else "core")
 
 
 def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: str = "strata",

@@ -34,6 +34,17 @@ CM384 = "CloudMatrix384, arXiv 2506.12708"
 STRATACL_T1 = "StrataCL, arXiv 2607.26444, Table 1 (one stream, unidirectional)"
 STRATACL = "StrataCL, arXiv 2607.26444 (published notes on it)"
 HCCL_DOCS = "HCCL docs (HCCL_BUFFSIZE default)"
+ASCENDC_BP = ("Ascend C best practices (hiascend.com, 'Transferring a Large Data Block at a Time': "
+              "one DataCopy of >= 16 KB reaches near-peak bandwidth)")
+
+
+def _message_us(lane_gbps: float) -> float:
+    """Issue cost o of one message on a lane of `lane_gbps`, from the efficient size.
+
+    A lane moves a leg of m bytes in m / (2 B) (reads and writes stream at 2 B together) plus o,
+    so a message runs at m / (m / 2B + o). Ascend C's guidance puts near-peak at 16 KB; taking
+    near-peak as 90 % there: o = (16384 / 2B) (1 / 0.9 - 1) = 16384 / (18 B)."""
+    return round(16384 / (18 * lane_gbps * 1e3), 4)
 
 
 def _f(default, unit: str, source: str):
@@ -90,6 +101,13 @@ class SupernodeSpec:
                           "(24 cores at 95 % of peak), spread over the assumed 16 engines")
     sdma_descriptor_us: float = _f(90.0, "us", STRATACL + ": descriptor submission ~90 us; charged "
                                    "once per op that uses the engines, all engines in parallel (how often is not published)")
+    # Per-message issue cost (a DataCopy, a descriptor, a signal) on the lane that sends it.
+    core_message_us: float = _f(_message_us(round(0.95 * 392.0 / 24, 2)), "us",
+                                "derived: " + ASCENDC_BP + "; near-peak taken as 90 % at 16 KB on one core "
+                                "(the 90 % is assumed, not published): o = 16 KiB / (18 x core_copy_gbps)")
+    sdma_message_us: float = _f(_message_us(round(0.91 * 24 * (0.95 * 392.0 / 24) / 16, 2)), "us",
+                                "assumed: the cores' 16 KB efficient size holds for an SDMA descriptor too "
+                                "(not published for SDMA): o = 16 KiB / (18 x sdma_gbps)")
     ccl_buffer_bytes: int = _f(200 * 1024 * 1024, "B", HCCL_DOCS + ": 200 MB, two per communicator")
     # Compute (the step model, strata.emulator.simulate). Peak rates per die; a rank gets
     # dies_per_npu / ranks_per_npu dies' worth of each, like its HBM, cores and UB ports.
@@ -175,6 +193,7 @@ class SupernodeSpec:
             "hbm_gbps": self.hbm_gbps_per_rank, "core_copy_gbps": self.core_copy_gbps,
             "core_reduce_gbps": self.core_reduce_gbps, "sdma_gbps": self.sdma_gbps,
             "sdma_descriptor_us": self.sdma_descriptor_us,
+            "core_message_us": self.core_message_us, "sdma_message_us": self.sdma_message_us,
         }
 
     def sources(self) -> list[tuple[str, object, str, str]]:

@@ -47,6 +47,8 @@ Machine ToMachine(const nb::dict& d) {
   get("core_reduce_gbps", &m.core_reduce_gbps);
   get("sdma_gbps", &m.sdma_gbps);
   get("sdma_descriptor_us", &m.sdma_descriptor_us);
+  get("core_message_us", &m.core_message_us);
+  get("sdma_message_us", &m.sdma_message_us);
   if (m.npus_per_node < 1 || m.ranks_per_npu < 1) throw std::invalid_argument("machine: counts must be positive");
   return m;
 }
@@ -67,6 +69,8 @@ nb::dict ToDict(const Result& r, const Program& prog) {
   d["stage_us"] = r.stage_us;
   d["latency_us"] = r.latency_us;
   d["descriptor_us"] = r.descriptor_us;
+  d["message_us"] = r.busiest_message_us;
+  d["on_sdma"] = r.on_sdma;
   d["busiest_lane_us"] = r.busiest_lane_us;
   d["busiest_hbm_us"] = r.busiest_hbm_us;
   d["busiest_egress_us"] = r.busiest_egress_us;
@@ -107,7 +111,7 @@ nb::dict ModelCollective(int kind, int dtype, int reduce_op, int root, std::vect
   Result r;
   {
     nb::gil_scoped_release release;
-    prog = CollectiveProgram(p);
+    prog = CollectiveProgram(p, m);
     if (!rank_npu.empty()) prog.rank_npu = std::move(rank_npu);
     r = Simulate(prog, m, keep_slices);
   }
@@ -155,7 +159,7 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
   Result r;
   {
     nb::gil_scoped_release release;
-    prog = MoeProgram(s, op, slots);
+    prog = MoeProgram(s, op, slots, m);
     if (!rank_npu.empty()) prog.rank_npu = std::move(rank_npu);
     r = Simulate(prog, m, keep_slices);
   }

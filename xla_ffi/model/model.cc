@@ -18,19 +18,63 @@ int32_t NpuOf(const Program& prog, int rank) {
   return prog.rank_npu.empty() ? rank : prog.rank_npu[rank];
 }
 
-// The longest path latency between any two ranks of the group: what a
-// signal to (or from) every peer costs.
-double GroupSyncUs(const Program& prog, const Machine& m) {
-  if (prog.num_ranks <= 1) return 0;
-  const int ranks_per_node = m.npus_per_node * m.ranks_per_npu;
-  const int32_t first = NpuOf(prog, 0);
-  bool other_node = false, other_npu = false;
-  for (int r = 1; r < prog.num_ranks; ++r) {
-    const int32_t p = NpuOf(prog, r);
-    other_node |= p / ranks_per_node != first / ranks_per_node;
-    other_npu |= p / m.ranks_per_npu != first / m.ranks_per_npu;
+// A group sync, as the plan needs it: the (owner, executor) pairs of ranks
+// where the executor's pieces touch the owner's memory. Before a phase every
+// owner tells each of its executors that its buffers are ready; after one,
+// every executor tells each owner it touched that it is done (its reads of
+// the inputs and writes into the outputs are over). Each signal is a small
+// UB write: one message on a lane of the phase's kind, then one path latency.
+// A rank spreads its k signals over its L lanes, so it is done signalling at
+// ceil(k / L) * o + the longest latency of its signals, and the sync ends
+// when the last rank's signals have landed. This is a flat barrier over the
+// pairs the plan really has (N - 1 peers per rank for all_reduce or
+// all_to_all, one for a ring ppermute): it is what the exchange needs (each
+// piece waits only for the ranks it touches), and with L lanes signalling in
+// parallel it costs ceil((N - 1) / L) messages where a dissemination barrier
+// costs ceil(log2 N) rounds of a message and a latency each (at N = 384 on
+// 48 lanes: 8 messages + one latency, against 9 latencies).
+using Pairs = std::vector<std::pair<int32_t, int32_t>>;  // (owner, executor), distinct
+
+Pairs PhasePairs(const ModelPhase& phase, int n) {
+  std::vector<uint8_t> seen(static_cast<size_t>(n) * n, 0);
+  Pairs out;
+  auto touch = [&](int owner, int executor) {
+    if (owner == executor) return;
+    uint8_t& s = seen[static_cast<size_t>(owner) * n + executor];
+    if (!s) {
+      s = 1;
+      out.push_back({owner, executor});
+    }
+  };
+  for (const ModelPiece& p : phase.pieces) {
+    if (p.transfer >= 0) {
+      const Transfer& tr = phase.plan->transfers[p.transfer];
+      if (p.bytes <= 0) continue;
+      for (uint32_t k = 0; k < tr.src_count + tr.dst_count; ++k)
+        touch(phase.plan->refs[tr.src_begin + k].rank, p.rank);  // dst refs follow src refs
+    } else {
+      for (uint32_t k = p.io_begin; k < p.io_end; ++k)
+        if (phase.io[k].bytes > 0) touch(phase.io[k].rank, p.rank);
+    }
   }
-  return other_node ? m.inter_latency_us : other_npu ? m.intra_latency_us : m.die_latency_us;
+  return out;
+}
+
+// from_owner: start signals (owner -> executor); else completion signals.
+double SignalUs(const Pairs& pairs, bool from_owner, int n, int lanes, double message_us,
+                const std::vector<double>& path_lat) {
+  std::vector<int64_t> count(n, 0);
+  std::vector<double> lat(n, 0.0);
+  for (const auto& [owner, executor] : pairs) {
+    const int from = from_owner ? owner : executor, to = from_owner ? executor : owner;
+    count[from]++;
+    lat[from] = std::max(lat[from], path_lat[static_cast<size_t>(from) * n + to]);
+  }
+  double worst = 0;
+  const int64_t l = std::max(1, lanes);
+  for (int r = 0; r < n; ++r)
+    if (count[r] > 0) worst = std::max(worst, static_cast<double>((count[r] + l - 1) / l) * message_us + lat[r]);
+  return worst;
 }
 
 // Resources, each a FIFO queue: when it is next free and how long it served.
@@ -92,19 +136,39 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
   std::vector<size_t> touched;
   touched.reserve(1024);
 
-  const double sync = GroupSyncUs(prog, m);
+  // The signals of each phase's sync (see SignalUs).
+  std::vector<Pairs> pairs(prog.phases.size());
+  for (size_t ph = 0; ph < prog.phases.size(); ++ph) pairs[ph] = PhasePairs(prog.phases[ph], n);
+  auto lanes_of = [&](const ModelPhase& ph) { return ph.lanes == kCore ? prog.cores : prog.engines; };
+  auto message_of = [&](const ModelPhase& ph) {
+    return ph.lanes == kCore ? m.core_message_us : m.sdma_message_us;
+  };
+  // The completion signals of the last phase before `ph` that touched peers.
+  auto completion = [&](size_t ph) {
+    for (size_t q = ph; q-- > 0;)
+      if (!pairs[q].empty())
+        return SignalUs(pairs[q], false, n, lanes_of(prog.phases[q]), message_of(prog.phases[q]), path_lat);
+    return 0.0;
+  };
+  std::vector<double> lane_message_us(static_cast<size_t>(n) * lanes, 0.0);
   double t = 0;
   // The op's SDMA descriptor chains are submitted once, every engine in
   // parallel, before anything moves.
   for (const ModelPhase& phase : prog.phases)
     if (phase.lanes == kSdma && !phase.pieces.empty()) {
       t = res.descriptor_us = m.sdma_descriptor_us;
+      res.on_sdma = true;
       break;
     }
   bool any_remote = false;
   for (size_t ph = 0; ph < prog.phases.size(); ++ph) {
     const ModelPhase& phase = prog.phases[ph];
     if (phase.pieces.empty()) continue;
+    // Start signals when the phase itself touches peers; otherwise (the
+    // stage-out after an exchange) the completion signals of that exchange.
+    const double sync = !phase.sync_before ? 0.0
+                        : !pairs[ph].empty() ? SignalUs(pairs[ph], true, n, lanes_of(phase), message_of(phase), path_lat)
+                                             : completion(ph);
     if (phase.sync_before) {
       t += sync;
       res.sync_us += sync;
@@ -119,6 +183,7 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       ingress_before = res.ingress_bytes;
     }
     const int lane_offset = phase.lanes == kCore ? 0 : prog.cores;
+    const double message_us = message_of(phase);
     const double lane_rate = 2 * kBytesPerUsPerGbps *
         (phase.lanes == kSdma ? m.sdma_gbps : phase.reduce ? m.core_reduce_gbps : m.core_copy_gbps);
     // Each lane's pieces, in the order given.
@@ -128,21 +193,29 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       by_lane[static_cast<size_t>(p.rank) * lanes + lane_offset + p.lane].push_back(i);
     }
     // Bytes each piece moves, and its legs (resources it walks).
-    std::vector<int64_t> piece_moved(phase.pieces.size(), 0);
+    std::vector<int64_t> piece_moved(phase.pieces.size(), 0), piece_msgs(phase.pieces.size(), 0);
     std::vector<int64_t> lane_moved(lane_q.size(), 0);
     double legs_total = 0;
     for (uint32_t i = 0; i < phase.pieces.size(); ++i) {
       const ModelPiece& p = phase.pieces[i];
-      int64_t moved = 0, legs = 0;
+      int64_t moved = 0, legs = 0, msgs = 0;
       if (p.transfer >= 0) {
+        // One DataCopy / descriptor per leg: the piece's columns are one
+        // contiguous run of each source and destination block (rows ride
+        // on one strided copy).
         const Transfer& tr = phase.plan->transfers[p.transfer];
         legs = tr.src_count + tr.dst_count;
         moved = p.bytes * legs;
+        msgs = p.bytes > 0 ? legs : 0;
       } else {
-        for (uint32_t k = p.io_begin; k < p.io_end; ++k) moved += std::max<int64_t>(0, phase.io[k].bytes);
+        for (uint32_t k = p.io_begin; k < p.io_end; ++k) {
+          moved += std::max<int64_t>(0, phase.io[k].bytes);
+          if (phase.io[k].bytes > 0) msgs += phase.io[k].msgs;
+        }
         legs = p.io_end - p.io_begin;
       }
       piece_moved[i] = moved;
+      piece_msgs[i] = msgs;
       lane_moved[static_cast<size_t>(p.rank) * lanes + lane_offset + p.lane] += moved;
       legs_total += static_cast<double>(legs);
     }
@@ -214,7 +287,9 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
         min_lat = std::min(min_lat, lat);
       }
       const double t0 = ready;
-      double end = t0 + moved / lane_rate;
+      const double issue = static_cast<double>(piece_msgs[pi]) * frac * message_us;
+      lane_message_us[lane_id] += issue * static_cast<double>(phase.repeat);
+      double end = t0 + moved / lane_rate + issue;
       for (size_t id : touched) {
         const double serve = units[id] / bandwidth(id);
         Queue& q = queues[id];
@@ -261,6 +336,7 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
     }
   }
   if (prog.sync_end && t > 0) {
+    const double sync = completion(prog.phases.size());
     t += sync;
     res.sync_us += sync;
   }
@@ -270,6 +346,7 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
     res.lane_busy_us[l] = lane_q[l].busy_us;
     res.busiest_lane_us = std::max(res.busiest_lane_us, lane_q[l].busy_us);
     res.latency_us = std::max(res.latency_us, lane_latency[l]);
+    res.busiest_message_us = std::max(res.busiest_message_us, lane_message_us[l]);
   }
   for (size_t id = 0; id < queues.size(); ++id) {
     double& slot = id < kEgress ? res.busiest_hbm_us : id < kIngress ? res.busiest_egress_us
@@ -281,13 +358,17 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
 
 namespace {
 
-// A local copy of `bytes` on `rank`, split evenly over its lanes (each lane
-// carries at least 16 KiB, as the runtime's planner does).
+// A local copy of `bytes` on `rank`, split evenly over its lanes in 64-byte
+// aligned parts (every lane works when there is work, as the planner's
+// lanes do: a copy that got one more lane past each 16 KiB made the modeled
+// time fall as the message grew).
 void AddLocalCopies(ModelPhase& phase, int rank, int64_t bytes, int lanes) {
   if (bytes <= 0) return;
-  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(lanes, bytes / 16384));
+  const int64_t units = (bytes + 63) / 64;
+  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(lanes, units));
   for (int64_t l = 0; l < used; ++l) {
-    const int64_t part = bytes * (l + 1) / used - bytes * l / used;
+    const int64_t part = std::min(bytes, units * (l + 1) / used * 64) - std::min(bytes, units * l / used * 64);
+    if (part <= 0) continue;
     ModelPiece p;
     p.rank = rank;
     p.lane = static_cast<int32_t>(l);
@@ -301,13 +382,17 @@ void AddLocalCopies(ModelPhase& phase, int rank, int64_t bytes, int lanes) {
 
 }  // namespace
 
-Program CollectiveProgram(const OpParams& p) {
+Program CollectiveProgram(const OpParams& op_params, const Machine& m) {
+  // The runtime's rule picks the lanes, with this machine's figures; every
+  // round of buffer_centric inherits the op's choice (as the runtime's do).
+  OpParams p = op_params;
+  p.movement_lanes = MovesOnSdma(p, m.sdma_descriptor_us, m.sdma_gbps) ? 1 : 0;
   Program prog;
   prog.num_ranks = p.group_size;
   prog.cores = p.cores;
   prog.engines = p.engines;
   prog.plans.reserve(2);  // phases point into it: never grows past this
-  const LaneKind kind = p.op != ReduceOp::kNone ? kCore : kSdma;
+  const LaneKind kind = p.movement_lanes == 1 ? kSdma : kCore;
 
   // The exchange of one plan (the whole message, or one round's window).
   auto exchange = [&](const OpParams& op, int64_t repeat) {
@@ -345,8 +430,8 @@ Program CollectiveProgram(const OpParams& p) {
   prog.sync_end = false;
   // Rounds as the runtime runs them (collective.cc, BufferCentricJob): full
   // windows, then the rest; each round stages in, exchanges, stages out.
-  const int64_t m = p.block_bytes;
-  const int64_t full = m / window, rest = m % window;
+  const int64_t block = p.block_bytes;
+  const int64_t full = block / window, rest = block % window;
   for (const auto& [w, count] : {std::pair<int64_t, int64_t>{window, full}, {rest, 1}}) {
     if (w <= 0 || count <= 0) continue;
     OpParams round = p;
@@ -387,7 +472,8 @@ std::vector<std::vector<int32_t>> MoePairSlots(const MoeShape& s,
   return slots;
 }
 
-Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int32_t>>& pair_slot) {
+Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int32_t>>& pair_slot,
+                   const Machine& m) {
   const int n = s.ranks;
   if (n < 1 || s.experts % n != 0) throw std::invalid_argument("num_experts must be a multiple of the ranks");
   if (static_cast<int>(pair_slot.size()) != n) throw std::invalid_argument("one routing per rank");
@@ -411,15 +497,20 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
     }
   }
 
-  const LaneKind kind = op == 0 ? kSdma : kCore;
-  const int lanes = op == 0 ? s.engines : s.cores;
-  // Scratch: bytes per peer rank inside one task.
-  std::vector<int64_t> per_rank(n, 0);
+  // Dispatch moves rows on SDMA or cores by the runtime's rule (moe.h).
+  const bool dispatch_sdma = op == 0 && MoeDispatchOnSdma(s.tokens, rb, slots_per_rank, s.engines,
+                                                          m.sdma_descriptor_us, m.sdma_gbps);
+  const LaneKind kind = dispatch_sdma ? kSdma : kCore;
+  const int lanes = dispatch_sdma ? s.engines : s.cores;
+  // Scratch: bytes and rows (one message each: rows of a peer are not
+  // contiguous there) per peer rank inside one task.
+  std::vector<int64_t> per_rank(n, 0), per_rank_msgs(n, 0);
   std::vector<int> peers;
   auto flush = [&](ModelPhase& ph, ModelPiece& piece) {
     for (int r : peers) {
-      ph.io.push_back({r, 0, per_rank[r]});
+      ph.io.push_back({r, 0, per_rank[r], per_rank_msgs[r]});
       per_rank[r] = 0;
+      per_rank_msgs[r] = 0;
     }
     peers.clear();
     piece.io_end = static_cast<uint32_t>(ph.io.size());
@@ -428,6 +519,7 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
   auto read = [&](int r, int64_t bytes) {
     if (per_rank[r] == 0) peers.push_back(r);
     per_rank[r] += bytes;
+    per_rank_msgs[r] += 1;
   };
 
   // Expert-row tasks (dispatch on SDMA; the backward's scatter on cores):
@@ -481,7 +573,7 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
   ex.reduce = op != 0;
   ex.sync_before = true;
   if (op == 0) {
-    expert_tasks(ex, s.engines, 0);
+    expert_tasks(ex, lanes, 0);
     in_bytes = x_bytes;
     out_bytes = slots_bytes;
   } else if (op == 1) {

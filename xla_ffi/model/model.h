@@ -14,16 +14,21 @@
 // rank's HBM, its UB egress and ingress, the path between each ordered pair
 // of ranks (one stream's measured bandwidth), and each lane. A lane works
 // through its pieces in order; a piece becomes ready when the lane finished
-// the previous one, then reserves every resource it touches for bytes / bandwidth, each from the
-// moment that resource is free; the lane moves on when the last reservation
-// ends, and the piece's data lands one path latency later (a lane keeps
-// several requests in flight, so latency is paid once per piece but does not
-// stall the lane).
+// the previous one, then reserves every resource it touches for bytes /
+// bandwidth, each from the moment that resource is free; the lane itself is
+// busy for its bytes at its rate plus a fixed issue cost per message (each
+// leg of a piece, each row of an MoE task, is one DataCopy or descriptor:
+// a message of m bytes runs at m / (m / B + o)). The lane moves on when the
+// last reservation ends, and the piece's data lands one path latency later
+// (a lane keeps several requests in flight, so latency is paid once per
+// piece but does not stall the lane).
 // Pieces are served in order of readiness (a heap over lanes). A phase
 // starts when the previous one has ended on every rank, after a group sync
-// (the longest path latency in the group) where the phase needs peers. An op
-// that uses SDMA engines first submits their descriptor chains (once per op,
-// all engines in parallel).
+// where the phase needs peers: every rank signals each peer the plan pairs it
+// with (a flag write: one message on a lane of the phase's kind, the signals
+// spread over the rank's lanes, then one path latency). An op that uses SDMA
+// engines first submits their descriptor chains (once per op, all engines in
+// parallel).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -42,8 +47,11 @@ struct Machine {
   double die_gbps = 210, intra_gbps = 170, inter_gbps = 150;
   double egress_gbps = 392, ingress_gbps = 392;  // UB per rank, unidirectional
   double hbm_gbps = 3200;                         // per rank, reads + writes
-  double core_copy_gbps = 15.5, core_reduce_gbps = 15.5, sdma_gbps = 21.2;  // per lane
-  double sdma_descriptor_us = 90;  // once per op that uses SDMA
+  double core_copy_gbps = 15.5, core_reduce_gbps = 15.5, sdma_gbps = kSdmaGbps;  // per lane
+  double sdma_descriptor_us = kSdmaDescriptorUs;  // once per op that uses SDMA
+  // Issue cost of one message (a DataCopy, a descriptor, a signal) on the
+  // lane that sends it, per kind of lane.
+  double core_message_us = 0.0586, sdma_message_us = 0.0430;
 };
 
 enum LaneKind : int32_t { kCore = 0, kSdma = 1 };
@@ -52,6 +60,7 @@ struct IO {
   int32_t rank;
   int32_t write;  // 0: read from rank's HBM, 1: write to it
   int64_t bytes;
+  int64_t msgs = 1;  // messages (DataCopies / descriptors) the bytes take
 };
 
 struct ModelPiece {
@@ -98,6 +107,9 @@ struct Slice {  // one piece on the modeled timeline
 struct Result {
   double time_us = 0;
   double sync_us = 0, exchange_us = 0, stage_us = 0, latency_us = 0, descriptor_us = 0;
+  // The busiest lane's message issue time (part of its busy time).
+  double busiest_message_us = 0;
+  bool on_sdma = false;  // some phase ran on SDMA engines
   // The busiest resource of each class: total time it served.
   double busiest_lane_us = 0, busiest_hbm_us = 0, busiest_egress_us = 0,
          busiest_ingress_us = 0, busiest_path_us = 0;
@@ -118,7 +130,9 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices = false,
 // The collective's program as the runtime would execute it: strata mode is
 // one exchange phase over the user buffers; buffer_centric stages in rounds
 // of the comm buffer's window (runtime/collective.h: CommWindowBytes).
-Program CollectiveProgram(const OpParams& p);
+// Pure movement goes to cores or SDMA by the runtime's rule (collective.h,
+// MovesOnSdma) with the machine's descriptor cost and engine bandwidth.
+Program CollectiveProgram(const OpParams& p, const Machine& m);
 
 // MoE. pair_slot[rank][t*K+k] = e*capacity + row, or -1 (dropped), as the
 // runtime computes it (moe.h); op: 0 dispatch, 1 combine, 2 combine backward.
@@ -128,7 +142,8 @@ struct MoeShape {
   bool buffer_centric = false;
   int64_t comm_buffer_bytes = 200 << 20;
 };
-Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int32_t>>& pair_slot);
+Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int32_t>>& pair_slot,
+                   const Machine& m);
 
 // The runtime's slot assignment from every rank's routing (ranks in order,
 // tokens in order, k in order; full experts drop the pair).

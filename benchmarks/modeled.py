@@ -172,12 +172,12 @@ def moe_sweep(args) -> Report:
         for op in ("moe_dispatch", "moe_combine"):
             row = {"op": op, "npus": n, "status": "ok"}
             try:
-                s = em.model(op, npus=n, mode="strata", seed=args.seed, **shape)
+                s = em.model(op, npus=n, mode="strata", spec=spec, seed=args.seed, **shape)
                 cap = s.settings["capacity"]
                 el = shape["num_experts"] // n
                 need = max(shape["tokens"], el * cap) * row_bytes
                 buf = max(200 << 20, -(-need // (1 << 20)) << 20)
-                b = em.model(op, npus=n, mode="buffer_centric", seed=args.seed, comm_buffer_bytes=buf,
+                b = em.model(op, npus=n, mode="buffer_centric", spec=spec, seed=args.seed, comm_buffer_bytes=buf,
                              **shape)
             except Exception as e:
                 row.update(common.failure(e))

@@ -50,8 +50,8 @@ Pairs PhasePairs(const ModelPhase& phase, int n) {
     if (p.transfer >= 0) {
       const Transfer& tr = phase.plan->transfers[p.transfer];
       if (p.bytes <= 0) continue;
-      for (uint32_t k = 0; k < tr.src_count + tr.dst_count; ++k)
-        touch(phase.plan->refs[tr.src_begin + k].rank, p.rank);  // dst refs follow src refs
+      for (uint32_t k = 0; k < tr.src_count; ++k) touch(phase.plan->refs[tr.src_begin + k].rank, p.rank);
+      for (uint32_t k = 0; k < tr.dst_count; ++k) touch(phase.plan->refs[tr.dst_begin + k].rank, p.rank);
     } else {
       for (uint32_t k = p.io_begin; k < p.io_end; ++k)
         if (phase.io[k].bytes > 0) touch(phase.io[k].rank, p.rank);

@@ -1,0 +1,22 @@
+// The reduction kernels for the avx2 variant: reduce_kernels.inc compiled with
+// this file's flags from CMakeLists.txt (-mavx2 -ffp-contract=off (no -mfma)).
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "copy.h"
+#include "reduce_isa.h"
+
+namespace strata {
+namespace isa_avx2 {
+namespace {
+#include "reduce_kernels.inc"
+}  // namespace
+
+void ReduceInto(DType dtype, ReduceOp op, void* const* outs, int num_outs, const void* const* srcs,
+                int num_srcs, size_t count, bool streaming) {
+  ReduceIntoImpl(dtype, op, outs, num_outs, srcs, num_srcs, count, streaming);
+}
+
+}  // namespace isa_avx2
+}  // namespace strata

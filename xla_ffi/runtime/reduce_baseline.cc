@@ -1,0 +1,22 @@
+// The reduction kernels for the baseline variant: reduce_kernels.inc compiled
+// with the target's own flags plus -ffp-contract=off (CMakeLists.txt).
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "copy.h"
+#include "reduce_isa.h"
+
+namespace strata {
+namespace isa_baseline {
+namespace {
+#include "reduce_kernels.inc"
+}  // namespace
+
+void ReduceInto(DType dtype, ReduceOp op, void* const* outs, int num_outs, const void* const* srcs,
+                int num_srcs, size_t count, bool streaming) {
+  ReduceIntoImpl(dtype, op, outs, num_outs, srcs, num_srcs, count, streaming);
+}
+
+}  // namespace isa_baseline
+}  // namespace strata

@@ -1,0 +1,49 @@
+// The reduction kernels per instruction set, and which one ReduceInto uses.
+//
+// reduce_kernels.inc is compiled once per ISA (reduce_baseline.cc,
+// reduce_avx2.cc, reduce_avx512.cc; CMakeLists.txt gives each its flags and
+// defines STRATA_REDUCE_HAVE_<ISA> for the ones the compiler could build).
+// At load time dtypes.cc picks the widest one the CPU reports
+// (__builtin_cpu_supports), or the one STRATA_REDUCE_ISA names
+// (baseline|avx2|avx512; an unknown or unavailable name keeps the automatic
+// choice and leaves a note that the Python package turns into a warning).
+// All variants give the same bits (see reduce_kernels.inc).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "dtypes.h"
+
+namespace strata {
+
+using ReduceFn = void (*)(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
+
+namespace isa_baseline {
+void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
+}
+namespace isa_avx2 {
+void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
+}
+namespace isa_avx512 {
+void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
+}
+
+// The variant ReduceInto runs now: "baseline", "avx2" or "avx512".
+const char* ReduceIsa();
+// The variants this build has and this CPU runs, narrowest first.
+std::vector<std::string> ReduceIsasAvailable();
+// Every variant name, whether built and supported or not.
+std::vector<std::string> ReduceIsasKnown();
+// The kernel of a variant, or nullptr if it is unknown, not built or not
+// supported by this CPU (for tests: run each variant side by side).
+ReduceFn ReduceKernel(const std::string& isa);
+// Makes `isa` the one ReduceInto runs ("auto": the load-time automatic
+// choice). Returns "" on success, else why not (nothing changes). Ops read
+// the choice per kernel call; every variant gives the same bits, so a
+// switch during an op changes only its speed.
+std::string SetReduceIsa(const std::string& isa);
+// What happened to STRATA_REDUCE_ISA at load time if it could not be
+// honoured ("" otherwise).
+const std::string& ReduceIsaNote();
+
+}  // namespace strata

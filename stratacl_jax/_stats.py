@@ -1,12 +1,22 @@
 """Counters from the C++ runtime."""
 from __future__ import annotations
 
+import warnings
+
 from . import _core
+
+# STRATA_REDUCE_ISA is read when the extension loads; a name it could not
+# honour (unknown, not built, or not supported by this CPU) left a note.
+if _core.reduce_isa_note():
+    warnings.warn(_core.reduce_isa_note(), RuntimeWarning, stacklevel=2)
 
 
 def stats() -> dict:
     """bytes_direct, bytes_staged, registrations, registry hits/misses,
-    core_bytes[npu][core] and sdma_bytes[npu][engine], among others."""
+    core_bytes[npu][core] and sdma_bytes[npu][engine], among others;
+    reduce_isa: the instruction set of the reduction kernels in use
+    ("baseline", "avx2" or "avx512": the widest the CPU runs, or
+    STRATA_REDUCE_ISA's choice)."""
     return dict(_core.stats())
 
 

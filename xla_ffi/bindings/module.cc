@@ -15,6 +15,7 @@
 #include "../algorithms/algorithms.h"
 #include "../runtime/collective.h"
 #include "../runtime/copy.h"
+#include "../runtime/reduce_isa.h"
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
@@ -86,6 +87,7 @@ nb::dict GetStats() {
   d["registry_misses"] = s.registry_misses.load();
   d["operand_registry_misses"] = s.operand_registry_misses.load();
   d["waits_handed_off"] = s.waits_handed_off.load();
+  d["reduce_isa"] = ReduceIsa();
   std::lock_guard<std::mutex> lock(s.mu);
   d["core_bytes"] = s.core_bytes;
   d["sdma_bytes"] = s.sdma_bytes;
@@ -152,6 +154,39 @@ nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t bl
   return d;
 }
 
+// One reduction kernel variant run directly on host bytes (tests compare the
+// variants bit for bit without switching the process-wide choice):
+// outs[d] = reduce(srcs) for every d, counts from the byte sizes.
+void ReduceWith(const std::string& isa, const std::string& dtype_name, const std::string& op_name,
+                std::vector<Bytes> srcs, std::vector<Bytes> outs, bool streaming) {
+  ReduceFn fn = ReduceKernel(isa);
+  if (fn == nullptr) {
+    const std::string why = SetReduceIsa(isa);  // only for its message; fails without changing anything
+    throw nb::value_error(("reduce_with: " + (why.empty() ? "unusable ISA " + isa : why)).c_str());
+  }
+  int dtype = -1, op = -1;
+  for (int t = 0; t <= static_cast<int>(DType::C128); ++t)
+    if (dtype_name == DTypeName(static_cast<DType>(t))) dtype = t;
+  for (int o = 0; o < static_cast<int>(ReduceOp::kNone); ++o)
+    if (op_name == ReduceOpName(static_cast<ReduceOp>(o))) op = o;
+  if (dtype < 0 || op < 0) throw nb::value_error("reduce_with: unknown dtype or op");
+  if (srcs.empty() || outs.empty()) throw nb::value_error("reduce_with: needs sources and outputs");
+  const size_t bytes = srcs[0].size(), esize = DTypeSize(static_cast<DType>(dtype));
+  if (bytes % esize != 0) throw nb::value_error("reduce_with: size is not a whole number of elements");
+  for (const Bytes& b : srcs)
+    if (b.size() != bytes) throw nb::value_error("reduce_with: sources differ in size");
+  for (const Bytes& b : outs)
+    if (b.size() != bytes) throw nb::value_error("reduce_with: outputs differ in size from the sources");
+  std::vector<const void*> sp;
+  std::vector<void*> op_;
+  for (const Bytes& b : srcs) sp.push_back(b.data());
+  for (Bytes& b : outs) op_.push_back(b.data());
+  nb::gil_scoped_release release;
+  fn(static_cast<DType>(dtype), static_cast<ReduceOp>(op), op_.data(), static_cast<int>(op_.size()), sp.data(),
+     static_cast<int>(sp.size()), bytes / esize, streaming);
+  if (streaming) StoreFence();
+}
+
 }  // namespace
 
 void BindMemory(nb::module_& m);  // memory_bindings.cc
@@ -180,6 +215,21 @@ NB_MODULE(_core, m) {
         nb::call_guard<nb::gil_scoped_release>());
   m.def("install_interrupt_handler", &InstallInterruptHandler);
   m.def("set_streaming_threshold_bytes", &SetStreamingThresholdBytes);
+  // Reduction kernels per instruction set (reduce_isa.h).
+  m.def("reduce_isa", [] { return std::string(ReduceIsa()); });
+  m.def("reduce_isas_available", &ReduceIsasAvailable);
+  m.def("reduce_isas_known", &ReduceIsasKnown);
+  m.def("reduce_isa_note", [] { return ReduceIsaNote(); });
+  // Returns the previous choice; an unknown or unusable name is a ValueError
+  // and changes nothing.
+  m.def("set_reduce_isa", [](const std::string& isa) {
+    std::string prev = ReduceIsa();
+    std::string why = SetReduceIsa(isa);
+    if (!why.empty()) throw nb::value_error(("set_reduce_isa: " + why).c_str());
+    return prev;
+  });
+  m.def("reduce_with", &ReduceWith, nb::arg("isa"), nb::arg("dtype"), nb::arg("op"), nb::arg("srcs"),
+        nb::arg("outs"), nb::arg("streaming") = false);
   m.def("run_ranks", &RunRanks);
   m.def("plan_info", &PlanInfo);
 }

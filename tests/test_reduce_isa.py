@@ -207,6 +207,22 @@ def test_kernels_bit_identical_to_baseline_and_rank_order_fold(dtype):
                     assert same_bits(got, base, dtype), (isa, dtype, op, size, n)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_kernels_on_every_bit_pattern(dtype):
+    """Every 16-bit pattern as a source, against shuffled partners: each
+    widening, and the rounding of sums and products that land in every range
+    (subnormal, normal, overflow, NaN, ties)."""
+    rng = np.random.default_rng(7)
+    every = np.arange(1 << 16, dtype=np.uint16).view(np_dtype(dtype))
+    for op in OPS:
+        for srcs in ([every], [every, rng.permutation(every)],
+                     [rng.permutation(every), every, rng.permutation(every)]):
+            base = run_kernel("baseline", dtype, op, srcs)
+            assert same_bits(base, fold_reference(srcs, dtype, op), dtype, nan_payloads=False), (dtype, op)
+            for isa in ISAS[1:]:
+                assert same_bits(run_kernel(isa, dtype, op, srcs), base, dtype), (isa, dtype, op)
+
+
 def rank_fold_lax(g, dtype, op):
     """lax's side in rank order: g = all_gather of the ranks' blocks; the same
     fold as the kernels, each step an XLA elementwise op. Float max/min fold

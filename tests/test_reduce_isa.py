@@ -358,3 +358,49 @@ def test_extension_has_no_fused_multiply_add():
     assert r.returncode == 0, r.stderr
     fused = [line for line in r.stdout.splitlines() if re.search(r"\bv?f(n?m(add|sub)|maddsub|msubadd)\w*", line)]
     assert not fused, fused[:5]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_moe_combine_under_every_variant(mesh8, dtype):
+    """The combine's weighted accumulation (AxpyRow) follows the same choice:
+    one compiled program under each variant gives the bits of a numpy model
+    (float32 accumulator, float64 for float64 rows; each product rounded, then
+    added, in k order; rounded once to the row type)."""
+    from test_moe import np_dispatch, np_layout
+
+    n, t, h, k, e, cap = 8, 16, 40, 3, 16, 5
+    rng = np.random.default_rng(3)
+    dt = np_dtype(dtype)
+    idx = rng.integers(0, e, (n, t, k)).astype(np.int32)
+    x = rng.standard_normal((n, t, h)).astype(dt)
+    wdt = np.float64 if dtype == "float64" else np.float32
+    w = rng.random((n, t, k)).astype(wdt)
+    spec = P("x")
+    args = [jax.device_put(a, NamedSharding(mesh8, spec))
+            for a in (x.reshape(n * t, h), idx.reshape(n * t, k), w.reshape(n * t, k))]
+
+    def body(xs, ids, ws):
+        recv, hd = strata.moe.dispatch(xs, ids, axis_name="x", num_experts=e, capacity=cap)
+        return strata.moe.combine(recv, hd, ws)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh8, in_specs=(spec,) * 3, out_specs=spec))
+    before = _core.reduce_isa()
+    try:
+        outs = {}
+        for isa in ISAS:
+            _core.set_reduce_isa(isa)
+            outs[isa] = np.asarray(f(*args))
+    finally:
+        _core.set_reduce_isa(before)
+
+    slot, _, _ = np_layout(idx, e, cap)
+    rows = np_dispatch(x, slot, e, cap).reshape(e * cap, h)
+    acc_t = np.float64 if dtype == "float64" else np.float32
+    want = np.zeros((n, t, h), acc_t)
+    for j in range(k):
+        kept = slot[:, :, j] >= 0
+        term = w[:, :, j, None].astype(acc_t) * rows[np.maximum(slot[:, :, j], 0)].astype(acc_t)
+        want = want + np.where(kept[..., None], term, acc_t(0))
+    want = want.astype(dt).reshape(n * t, h)
+    for isa, got in outs.items():
+        assert got.tobytes() == want.tobytes(), (isa, dtype)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../model/trace_log.h"
+#include "../runtime/reduce_isa.h"
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
@@ -103,10 +104,9 @@ template <> inline Bf16 Narrow<Bf16>(float v) {
   return Bf16{static_cast<uint16_t>(bits >> 16)};
 }
 
-template <typename T, typename A>
-inline void Axpy(A* acc, const T* row, A w, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += w * Widen(row[i]);
-}
+// The weighted accumulation of a row (acc += w * row) is AxpyRow
+// (runtime/reduce_isa.h): compiled per instruction set with the reduction
+// kernels, float16 widened without a libgcc call per element.
 
 template <typename T, typename A>
 inline void Scale(T* out, const T* in, A w, int64_t n) {
@@ -755,7 +755,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
             if (slot < 0) continue;  // dropped (values were checked before joining)
             const T* row = static_cast<const T*>(ptrs[slot / slots_per_rank][kEy]) +
                            (slot % slots_per_rank) * h;
-            Axpy(acc.data(), row, w[t * k_top + k], h);
+            AxpyRow(p.dtype, acc.data(), row, static_cast<double>(w[t * k_top + k]), h);
             rows++;
           }
           for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);

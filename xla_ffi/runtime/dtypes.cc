@@ -12,6 +12,7 @@ namespace {
 struct IsaEntry {
   const char* name;
   ReduceFn fn;  // nullptr: not built by this compiler / for this target
+  AxpyRowFn axpy;
   bool (*supported)();
 };
 
@@ -32,16 +33,16 @@ bool Always() { return true; }
 
 // Narrowest first.
 const IsaEntry kIsas[] = {
-    {"baseline", &isa_baseline::ReduceInto, &Always},
+    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &Always},
 #ifdef STRATA_REDUCE_HAVE_AVX2
-    {"avx2", &isa_avx2::ReduceInto, &CpuHasAvx2},
+    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &CpuHasAvx2},
 #else
-    {"avx2", nullptr, &CpuHasAvx2},
+    {"avx2", nullptr, nullptr, &CpuHasAvx2},
 #endif
 #ifdef STRATA_REDUCE_HAVE_AVX512
-    {"avx512", &isa_avx512::ReduceInto, &CpuHasAvx512},
+    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &CpuHasAvx512},
 #else
-    {"avx512", nullptr, &CpuHasAvx512},
+    {"avx512", nullptr, nullptr, &CpuHasAvx512},
 #endif
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
@@ -115,6 +116,15 @@ std::vector<std::string> ReduceIsasKnown() {
 ReduceFn ReduceKernel(const std::string& isa) {
   const IsaEntry* e = FindIsa(isa);
   return e != nullptr && Usable(*e) ? e->fn : nullptr;
+}
+
+AxpyRowFn AxpyRowKernel(const std::string& isa) {
+  const IsaEntry* e = FindIsa(isa);
+  return e != nullptr && Usable(*e) ? e->axpy : nullptr;
+}
+
+void AxpyRow(DType row_dtype, void* acc, const void* row, double w, int64_t n) {
+  g_isa.load(std::memory_order_relaxed)->axpy(row_dtype, acc, row, w, n);
 }
 
 std::string SetReduceIsa(const std::string& isa) {

@@ -18,5 +18,9 @@ void ReduceInto(DType dtype, ReduceOp op, void* const* outs, int num_outs, const
   ReduceIntoImpl(dtype, op, outs, num_outs, srcs, num_srcs, count, streaming);
 }
 
+void AxpyRow(DType dtype, void* acc, const void* row, double w, int64_t n) {
+  AxpyRowImpl(dtype, acc, row, w, n);
+}
+
 }  // namespace isa_baseline
 }  // namespace strata

@@ -9,6 +9,7 @@
 // choice and leaves a note that the Python package turns into a warning).
 // All variants give the same bits (see reduce_kernels.inc).
 #pragma once
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -17,16 +18,27 @@
 namespace strata {
 
 using ReduceFn = void (*)(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
+using AxpyRowFn = void (*)(DType, void*, const void*, double, int64_t);
 
 namespace isa_baseline {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
+void AxpyRow(DType, void*, const void*, double, int64_t);
 }
 namespace isa_avx2 {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
+void AxpyRow(DType, void*, const void*, double, int64_t);
 }
 namespace isa_avx512 {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
+void AxpyRow(DType, void*, const void*, double, int64_t);
 }
+
+// The MoE combine's accumulation of one weighted expert row in the chosen
+// variant: acc[i] += w * row[i] for i < n, acc float32 (float64 for F64
+// rows), rows F32/F64/F16/BF16, w the weight (a float, or a double for F64).
+void AxpyRow(DType row_dtype, void* acc, const void* row, double w, int64_t n);
+// Same, in a named variant (nullptr if unusable; for tests).
+AxpyRowFn AxpyRowKernel(const std::string& isa);
 
 // The variant ReduceInto runs now: "baseline", "avx2" or "avx512".
 const char* ReduceIsa();

@@ -19,8 +19,12 @@ const char* ReduceOpName(ReduceOp op);
 // Sources fold in rank order and one executor writes every copy, so all
 // ranks get the same bits. 16-bit floats accumulate in float32 and round once.
 // Complex numbers: sum and prod only (they have no order); a product is the
-// plain (ac - bd, ad + bc), as XLA computes it.
+// plain (ac - bd, ad + bc), each product rounded. (XLA:CPU fuses that into
+// FMAs on hosts that have them, so a complex product can differ from lax's in
+// the last bit there; tests/test_reduce_isa.py.)
 // `streaming`: write the outputs with non-temporal stores (see CopyBytes).
+// The kernels are compiled once per instruction set and one is chosen at
+// load time (reduce_isa.h); every variant gives the same bits.
 void ReduceInto(DType dtype, ReduceOp op, void* const* outs, int num_outs,
                 const void* const* srcs, int num_srcs, size_t count, bool streaming = false);
 

@@ -137,6 +137,17 @@ def same_bits(got, want, dtype, nan_payloads=True):
     return np.array_equal(flat(got)[~nan].view(np.uint8), flat(want)[~nan].view(np.uint8))
 
 
+def exact_nans(op):
+    """Whether variants must agree on NaN payloads too. Max/min pick a NaN
+    operand explicitly (the earlier one): yes. When two NaNs meet in a sum or
+    product, which payload survives is the hardware's first operand, and the
+    compiler may commute an add or multiply (C and IEEE leave the payload
+    unspecified): the ASan build's AVX2 code kept the other NaN than its
+    baseline code. So for sum/prod a NaN has to meet a NaN, and every other
+    value must match bit for bit."""
+    return op in ("max", "min")
+
+
 def run_kernel(isa, dtype, op, srcs, num_outs=1, streaming=False):
     raw = [np.ascontiguousarray(s).view(np.uint8).reshape(-1) for s in srcs]
     outs = [np.full(raw[0].size, 0xA5, np.uint8) for _ in range(num_outs)]
@@ -204,7 +215,7 @@ def test_kernels_bit_identical_to_baseline_and_rank_order_fold(dtype):
                 assert same_bits(base, want, dtype, nan_payloads=False), (dtype, op, size, n)
                 for isa in ISAS[1:]:
                     got = run_kernel(isa, dtype, op, srcs, num_outs=2, streaming=size == 1001)
-                    assert same_bits(got, base, dtype), (isa, dtype, op, size, n)
+                    assert same_bits(got, base, dtype, nan_payloads=exact_nans(op)), (isa, dtype, op, size, n)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -220,7 +231,8 @@ def test_half_kernels_on_every_bit_pattern(dtype):
             base = run_kernel("baseline", dtype, op, srcs)
             assert same_bits(base, fold_reference(srcs, dtype, op), dtype, nan_payloads=False), (dtype, op)
             for isa in ISAS[1:]:
-                assert same_bits(run_kernel(isa, dtype, op, srcs), base, dtype), (isa, dtype, op)
+                assert same_bits(run_kernel(isa, dtype, op, srcs), base, dtype,
+                                 nan_payloads=exact_nans(op)), (isa, dtype, op)
 
 
 def rank_fold_lax(g, dtype, op):
@@ -320,7 +332,7 @@ def test_collectives_under_every_variant_match_lax_bit_for_bit(mesh8, op):
             assert same_bits(ar[k].reshape(8, m)[0], full, d, nan_payloads=False), (isa, op, d, m, "all_reduce")
             assert all(ar[k].reshape(8, m)[r].tobytes() == ar[k].reshape(8, m)[0].tobytes() for r in range(8))
             if isa != "baseline":
-                assert ar[k].tobytes() == results["baseline"][0][k].tobytes(), (isa, op, d, m)
+                assert same_bits(ar[k], results["baseline"][0][k], d, nan_payloads=exact_nans(op)), (isa, op, d, m)
         for k in rs_keys:
             d, m = k
             full = want[k].reshape(8, m)[0]
@@ -328,7 +340,7 @@ def test_collectives_under_every_variant_match_lax_bit_for_bit(mesh8, op):
                 full = fold_reference(list(xs[k].reshape(8, m)), d, op)
             assert same_bits(rs[k], full, d, nan_payloads=False), (isa, op, d, m, "reduce_scatter")
             if isa != "baseline":
-                assert rs[k].tobytes() == results["baseline"][1][k].tobytes(), (isa, op, d, m)
+                assert same_bits(rs[k], results["baseline"][1][k], d, nan_payloads=exact_nans(op)), (isa, op, d, m)
 
 
 @pytest.mark.parametrize("op", ["sum", "max"])

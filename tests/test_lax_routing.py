@@ -295,3 +295,27 @@ def test_parity_gather_to_reduced_is_a_clear_error(mesh8):
     with pytest.raises(NotImplementedError, match="to='reduced' is not supported.*Varying -> Reduced"):
         jax.jit(jax.shard_map(lambda v: strata.all_gather(v, "x", to="reduced"), mesh=mesh8, in_specs=P("x"),
                               out_specs=P()))(x)
+
+
+def test_ops_xla_cpu_cannot_run_work_routed(mesh8):
+    """lax.pbroadcast (jax 0.10.2 lowers it only on GPU) and
+    lax.ragged_all_to_all (jax#34755) run on CPU once routed; checked against
+    numpy (there is no switch-off run to compare with)."""
+    from test_ragged_all_to_all import VECTORS, args_of, make_case, reference, run_per_rank
+
+    x = _rand(8, 5, seed=18)
+    f = jax.jit(jax.shard_map(lambda v: lax.pbroadcast(v, "x", source=3), mesh=mesh8, in_specs=P("x"),
+                              out_specs=P("x")))
+    with strata.config(lax_collectives="strata"):
+        got = f(_put(mesh8, x, P("x")))
+    np.testing.assert_array_equal(np.asarray(got), np.tile(x[3:4], (8, 1)))
+
+    c = make_case(np.random.default_rng(19), 8)
+
+    def body(op, out, *vs):
+        return lax.ragged_all_to_all(op, out, *vs, axis_name="x")
+
+    with strata.config(lax_collectives="strata"):
+        got = run_per_rank(body, mesh8, *args_of(c))
+    np.testing.assert_array_equal(got, reference(c))
+    assert set(VECTORS) <= set(c)

@@ -10,8 +10,9 @@ timed interleaved in one run on 8 emulated NPUs.
 
 Plus the mixed-program probe of FACTS §7: 4 chained all-reduces (all lax,
 all strata, alternating). Each row: median of `--repeats` interleaved calls,
-the XLA collectives left in the compiled program, and the resumers'
-hand-offs (stats()["waits_handed_off"]) per call.
+the XLA collectives left in the compiled program, and the resumer
+threads the runtime's monitor found blocked (stats()["resumers_blocked"])
+per call.
 
     python -m benchmarks.lax_routing [--repeats 40]
 """
@@ -175,11 +176,11 @@ def time_interleaved(variants, repeats):
             jax.block_until_ready(compiled(*args))
     for _ in range(repeats):
         for name, (compiled, args, _) in variants.items():
-            before = strata.stats()["waits_handed_off"]
+            before = strata.stats()["resumers_blocked"]
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(*args))
             times[name].append(time.perf_counter() - t0)
-            handed[name] += strata.stats()["waits_handed_off"] - before
+            handed[name] += strata.stats()["resumers_blocked"] - before
     return {n: (np.median(t) * 1e6, handed[n] / repeats) for n, t in times.items()}
 
 
@@ -191,7 +192,7 @@ def main(argv=None):
     print(f"# {args.repeats} interleaved calls per variant, median; 8 emulated NPUs; "
           f"jax {jax.__version__}")
     print("| program | lax (µs) | strata as written (µs) | lax routed (µs) | written / lax | routed / lax "
-          "| XLA collectives left: written | routed | hand-offs per call: lax, written, routed |")
+          "| XLA collectives left: written | routed | resumers blocked per call: lax, written, routed |")
     print("|---|---:|---:|---:|---:|---:|---|---|---|")
     for title, make in PROGRAMS:
         variants = {"lax": compile_variant(make, mesh, Lax, False),
@@ -206,7 +207,7 @@ def main(argv=None):
     variants = {k: compile_variant(chained(k), mesh, None, False) for k in ("lax", "strata", "alternating")}
     r = time_interleaved(variants, args.repeats)
     print()
-    print("| 4 chained 16 KB all-reduces | time (µs) | hand-offs per call |")
+    print("| 4 chained 16 KB all-reduces | time (µs) | resumers blocked per call |")
     print("|---|---:|---:|")
     for k, (us, h) in r.items():
         print(f"| {k} | {us:,.0f} | {h:.1f} |")

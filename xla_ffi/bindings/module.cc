@@ -86,6 +86,7 @@ nb::dict GetStats() {
   d["registry_misses"] = s.registry_misses.load();
   d["operand_registry_misses"] = s.operand_registry_misses.load();
   d["waits_handed_off"] = s.waits_handed_off.load();
+  d["resumers_blocked"] = s.resumers_blocked.load();
   std::lock_guard<std::mutex> lock(s.mu);
   d["core_bytes"] = s.core_bytes;
   d["sdma_bytes"] = s.sdma_bytes;

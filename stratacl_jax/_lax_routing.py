@@ -285,17 +285,24 @@ def _sync() -> None:
 class config(_config.config):
     __doc__ = _config.config.__doc__
 
+    # A statement sets jax's state globally; a `with` block also holds it in
+    # jax's thread-local context for its own thread (as jax's config contexts
+    # do), so another thread's traces key on that thread's setting.
     def __init__(self, **changes):
         super().__init__(**changes)
         _sync()
 
     def __enter__(self):
         settings = super().__enter__()
-        _sync()
+        self._jax_context = _jax_state(_config.current().lax_collectives) if _jax_state is not None else None
+        if self._jax_context is not None:
+            self._jax_context.__enter__()
         return settings
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
+        if getattr(self, "_jax_context", None) is not None:
+            self._jax_context.__exit__(*exc)
         _sync()
         return result
 

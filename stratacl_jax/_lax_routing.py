@@ -166,7 +166,7 @@ def _psum_scatter(x, *, axis_name, scatter_dimension, axis_index_groups, axis_si
 
     axes = _axes(axis_name)
     x = _ffi.make_varying(x, axes)
-    return reduce_scatter_p.bind(x, group=_group("strata.reduce_scatter", axes), dim=scatter_dimension,
+    return reduce_scatter_p.bind(x, group=_group("strata.reduce_scatter", axes), dim=scatter_dimension % x.ndim,
                                  tiled=bool(tiled), op="sum", settings=_config.current())
 
 
@@ -176,7 +176,8 @@ def _all_to_all(x, *, split_axis, concat_axis, axis_name, axis_index_groups, til
     # lax's primitive is always "tiled" (its wrapper adds and drops the axis).
     axes = _axes(axis_name)
     x = _ffi.make_varying(x, axes)
-    return all_to_all_p.bind(x, group=_group("strata.all_to_all", axes), split=split_axis, concat=concat_axis,
+    return all_to_all_p.bind(x, group=_group("strata.all_to_all", axes), split=split_axis % x.ndim,
+                             concat=concat_axis % x.ndim,
                              tiled=True, settings=_config.current())
 
 

@@ -17,7 +17,6 @@ _lifecycle.install()
 from . import emulator  # noqa: E402
 from . import memory  # noqa: E402
 from . import moe  # noqa: E402
-from ._config import config  # noqa: E402
 from ._stats import reset_stats, stats  # noqa: E402
 from .all_gather import all_gather  # noqa: E402
 from .all_reduce import all_reduce  # noqa: E402
@@ -26,6 +25,12 @@ from .broadcast import broadcast  # noqa: E402
 from .ppermute import ppermute  # noqa: E402
 from .ragged_all_to_all import ragged_all_to_all  # noqa: E402
 from .reduce_scatter import reduce_scatter  # noqa: E402
+from . import _lax_routing  # noqa: E402
+
+# strata.config(lax_collectives="strata") routes jax.lax's collectives here
+# (strata.config is _config.config that also tells jax's trace caches).
+_lax_routing.install()
+config = _lax_routing.config
 
 __version__ = "0.1.0"
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 
 MODES = ("strata", "buffer_centric")
 PLANNERS = ("balanced", "naive")
+LAX_COLLECTIVES = ("xla", "strata")
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,18 @@ class Settings:
     comm_buffer_bytes: int = 200 * 1024 * 1024
     timeout_s: float = 60.0
     planner: str = "balanced"
+    # "strata": jax.lax's own collectives traced under it lower to strata's
+    # custom calls (stratacl_jax/_lax_routing.py); "xla": XLA's own.
+    lax_collectives: str = "xla"
 
     def validated(self) -> "Settings":
         if self.mode not in MODES:
             raise ValueError(f"strata.config: mode must be one of {MODES}, got {self.mode!r}")
         if self.planner not in PLANNERS:
             raise ValueError(f"strata.config: planner must be one of {PLANNERS}, got {self.planner!r}")
+        if self.lax_collectives not in LAX_COLLECTIVES:
+            raise ValueError(
+                f"strata.config: lax_collectives must be one of {LAX_COLLECTIVES}, got {self.lax_collectives!r}")
         for name in ("cores_per_npu", "sdma_engines_per_npu", "comm_buffer_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -18,6 +18,7 @@ from jax.sharding import AxisType
 
 from . import _config
 from . import _core
+from . import _lax_routing
 from . import _multiprocess
 
 # Register every handler once, for the CPU platform (emulated NPUs are CPU devices).
@@ -53,6 +54,20 @@ def next_site_id(*parts) -> int:
     (the same op at the same place, e.g. both branches of a cond) are told
     apart by their FFI instance, which is what ranks meet by."""
     return _multiprocess.stable_site_id(*parts)
+
+
+def check_axis_index_groups(opname: str, axis_index_groups) -> None:
+    """lax's `axis_index_groups=None` is accepted; groups are not."""
+    if axis_index_groups is not None:
+        raise NotImplementedError(
+            f"{opname}: axis_index_groups={axis_index_groups!r} is not supported (only None); use a mesh axis "
+            f"per group (a 2-D mesh and a collective over one of its axes)")
+
+
+def is_constant(x) -> bool:
+    """True when no leaf of `x` is a JAX tracer: lax.psum folds such a sum
+    to the axis size times the value without communicating."""
+    return all(not isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
 
 
 def normalize_axes(axis_name) -> tuple:
@@ -222,7 +237,7 @@ def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batc
     def rule(ctx, *args, **params):
         # The mesh's process layout and the op's source location, for ops
         # whose group crosses processes (_multiprocess.split) and site ids.
-        with _multiprocess.lowering(ctx):
+        with _multiprocess.lowering(ctx), _lax_routing.suspended():
             return lowered(ctx, *args, **params)
 
     mlir.register_lowering(p, rule, platform="cpu")

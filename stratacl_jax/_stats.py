@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 
 from . import _core
+from . import _lax_routing
 
 # STRATA_REDUCE_ISA is read when the extension loads; a name it could not
 # honour (unknown, not built, or not supported by this CPU) left a note.
@@ -16,9 +17,12 @@ def stats() -> dict:
     core_bytes[npu][core] and sdma_bytes[npu][engine], among others;
     reduce_isa: the instruction set of the reduction kernels in use
     ("baseline", "avx2" or "avx512": the widest the CPU runs, or
-    STRATA_REDUCE_ISA's choice)."""
-    return dict(_core.stats())
+    STRATA_REDUCE_ISA's choice); lax_routed / lax_left_to_xla: jax.lax
+    collectives traced under config(lax_collectives="strata"), by primitive,
+    that went to strata or stayed on XLA (with the reason)."""
+    return {**_core.stats(), **_lax_routing.counters()}
 
 
 def reset_stats() -> None:
     _core.reset_stats()
+    _lax_routing.reset()

@@ -17,15 +17,26 @@ from . import _multiprocess as _mp
 
 OPNAME = "strata.all_gather"
 _TO = ("varying", "invarying")
+_REDUCED_REFUSAL = (
+    f"{OPNAME}: to='reduced' is not supported. In jax 0.10.2 lax.all_gather(to='reduced') is "
+    "all_gather_reduced, a Varying -> Reduced collective: its result is typed 'reduced' over the axes "
+    "(a sum still owed, jax's unreduced/reduced sharding types) and its transpose is an unreduced "
+    "reduce-scatter, whose result XLA keeps unreduced; strata's primitives carry varying/invariant "
+    "typing only. Use to='invarying' (the same values, typed invariant), or lax.all_gather(..., "
+    "to='reduced'), which stays on XLA even under strata.config(lax_collectives='strata').")
 
 
-def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, to: str = "varying"):
+def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, to: str = "varying", axis_index_groups=None):
     """Gathers `x` (an array or a pytree) from every rank of `axis_name` along
     `axis`: a new axis of the group's size (tiled=False) or concatenated into
     `axis` (tiled=True). `to="invarying"` types the result invariant over the
-    group (lax.all_gather_invariant)."""
+    group (lax.all_gather_invariant). `to="reduced"` is refused: see
+    _REDUCED_REFUSAL."""
+    if to == "reduced":
+        raise NotImplementedError(_REDUCED_REFUSAL)
     if to not in _TO:
         raise ValueError(f"{OPNAME}: to must be one of {_TO}, got {to!r}")
+    _ffi.check_axis_index_groups(OPNAME, axis_index_groups)
     axes = _ffi.normalize_axes(axis_name)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:

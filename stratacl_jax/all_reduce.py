@@ -25,15 +25,20 @@ OPS = ("sum", "max", "min", "prod", "mean")
 _TWINS = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin, "mean": lax.pmean}
 
 
-def all_reduce(x, axis_name, *, op: str = "sum"):
+def all_reduce(x, axis_name, *, op: str = "sum", axis_index_groups=None):
     """Reduces `x` (an array or a pytree of arrays) over the ranks of
     `axis_name`; every rank gets the result. op="mean" is lax.pmean; a sum
-    of bools counts (int32), as lax.psum does."""
+    of bools counts (int32), as lax.psum does. A sum (or mean) of constants
+    (no leaf a tracer: `all_reduce(1, "i")`) folds as lax.psum's does: the
+    axis size times the value, a Python int for an int, no communication."""
     if op not in OPS:
         raise ValueError(f"{OPNAME}: op must be one of {OPS}, got {op!r}")
+    _ffi.check_axis_index_groups(OPNAME, axis_index_groups)
     axes = _ffi.normalize_axes(axis_name)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     group = _ffi.Group(OPNAME, mesh_axes).spec() if mesh_axes or not vmap_axes else None
+    if op in ("sum", "mean") and _ffi.is_constant(x):
+        return _TWINS[op](x, axes)
     settings = _config.current()
 
     def one(leaf):

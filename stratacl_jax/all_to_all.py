@@ -17,9 +17,10 @@ from . import _multiprocess as _mp
 OPNAME = "strata.all_to_all"
 
 
-def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False):
+def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool = False, axis_index_groups=None):
     """Sends chunk j of `split_axis` to rank j; received chunks stack (or, tiled,
     concatenate) along `concat_axis` in rank order. `x` may be a pytree."""
+    _ffi.check_axis_index_groups(OPNAME, axis_index_groups)
     axes = _ffi.normalize_axes(axis_name)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:

@@ -19,9 +19,11 @@ from . import _multiprocess as _mp
 OPNAME = "strata.reduce_scatter"
 
 
-def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False, op: str = "sum"):
+def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False, op: str = "sum",
+                   axis_index_groups=None):
     """Reduces `x` (an array or a pytree) over `axis_name`; rank r keeps block
     r of `scatter_dimension`."""
+    _ffi.check_axis_index_groups(OPNAME, axis_index_groups)
     axes = _ffi.normalize_axes(axis_name)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:

@@ -88,6 +88,7 @@ nb::dict GetStats() {
   d["operand_registry_misses"] = s.operand_registry_misses.load();
   d["waits_handed_off"] = s.waits_handed_off.load();
   d["reduce_isa"] = ReduceIsa();
+  d["resumers_blocked"] = s.resumers_blocked.load();
   std::lock_guard<std::mutex> lock(s.mu);
   d["core_bytes"] = s.core_bytes;
   d["sdma_bytes"] = s.sdma_bytes;

@@ -21,6 +21,10 @@ struct Stats {
   // Handlers that returned before their op finished: the op's completion
   // resumes them on a resumer thread (every rank but the last one in).
   std::atomic<int64_t> waits_handed_off{0};
+  // Resumer threads the monitor found on one rank's program for a tick
+  // (blocked in XLA's own collective, or long compute): each got a fresh
+  // thread put to work, and completions are spread for a while after.
+  std::atomic<int64_t> resumers_blocked{0};
 
   // Per NPU, per lane. Grown on demand under the mutex; updates are rare
   // (once per lane task), so a lock is cheaper than getting clever.

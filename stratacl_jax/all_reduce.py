@@ -31,7 +31,7 @@ def all_reduce(x, axis_name, *, op: str = "sum"):
     of bools counts (int32), as lax.psum does."""
     if op not in OPS:
         raise ValueError(f"{OPNAME}: op must be one of {OPS}, got {op!r}")
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     group = _ffi.Group(OPNAME, mesh_axes).spec() if mesh_axes or not vmap_axes else None
     settings = _config.current()

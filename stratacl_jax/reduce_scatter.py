@@ -22,7 +22,8 @@ OPNAME = "strata.reduce_scatter"
 def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = False, op: str = "sum"):
     """Reduces `x` (an array or a pytree) over `axis_name`; rank r keeps block
     r of `scatter_dimension`."""
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
+    scatter_dimension = _ffi.static_int(OPNAME, "scatter_dimension", scatter_dimension)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:
         if mesh_axes or op != "sum":

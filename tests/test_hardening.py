@@ -266,3 +266,24 @@ def test_failed_multi_device_allocation_releases_and_names_op_size_device():
     reserved = eval(next(line for line in out.splitlines() if line.startswith("RESERVED:")).split(":", 1)[1])
     assert all(r <= 64 << 20 for r in reserved), reserved
     assert "SUM: " + str(float(sum(range(0, 64, 8)))) in out, out
+
+
+# --- item 1: several Python threads launching without waiting ----------------------------------
+
+
+def test_pool_is_sized_for_several_launching_threads():
+    from stratacl_jax import _runtime_setup
+
+    # (T + 1) x devices for T = 8 launching threads; 2 x devices at the least.
+    assert _runtime_setup.pool_for(8) == 72
+    assert _runtime_setup.pool_for(384) == 768
+    assert _runtime_setup.client_pool_threads() >= 72
+
+
+def test_two_launching_threads_never_hang():
+    """2 threads x 200 calls in flight each, strata and lax.psum, in a fresh
+    process that did not set PJRT_NPROC itself (hung with a 2N pool)."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "stress_runtime.py"), "--threads", "2",
+                           "--iterations", "200", "--runs", "1", "--timeout", "120"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "2 passed, 0 failed" in proc.stdout, proc.stdout + proc.stderr

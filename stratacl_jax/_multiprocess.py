@@ -256,21 +256,60 @@ def mark(x, phase: int, site: int, what: str):
     return fn(x, site_id=np.int64(site), phase=np.int32(phase), what=what)
 
 
+def _crossing_processes(axes) -> list:
+    """The process of each rank of `axes` (their rank order) in the group of
+    this process's first device."""
+    names, procs = getattr(_lowering, "grid", None) or ((), None)
+    if procs is None or not all(a in names for a in axes):
+        return []
+    at = np.argwhere(procs == jax.process_index())
+    if not len(at):
+        return []
+    index = list(at[0])
+    dims = [names.index(a) for a in axes]
+    out = []
+    for coords in np.ndindex(*[procs.shape[d] for d in dims]):
+        for d, c in zip(dims, coords):
+            index[d] = c
+        out.append(int(procs[tuple(index)]))
+    return out
+
+
+def check(x, axes, what, agree=()):
+    """Every process of a cross-process step must run the same op: a 31-bit
+    hash of (op, group, dtype, shape, reduction) is all-gathered over the
+    crossing axes (one int32 per rank, in the same step XLA runs anyway:
+    processes that disagree on the op still agree on this gather) and a
+    check passes x through (aliased) only when every hash is this one, so
+    the step itself never runs on a disagreement (it used to mix a sum with
+    a max silently)."""
+    text = f"{what}: {np.dtype(x.dtype).name}{list(x.shape)}" + "".join(f", {k}={v}" for k, v in
+                                                                           zip(agree[::2], agree[1::2]))
+    own = zlib.crc32(text.encode()) & 0x7FFFFFFF  # not where it was called: only what it is
+    hashes = lax.all_gather(varying(jnp.full((1,), own, jnp.int32), axes), tuple(axes), axis=0, tiled=True)
+    fn = jax.ffi.ffi_call("strata_xproc_check", jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0})
+    return fn(x, hashes, procs=np.asarray(_crossing_processes(axes), np.int32), own=np.int32(own),
+              process=np.int32(jax.process_index()), what=text)
+
+
 def varying(x, axes):
     from ._ffi import make_varying
 
     return make_varying(x, tuple(axes))
 
 
-def cross(fn, x, axes, what):
+def cross(fn, x, axes, what, agree=()):
     """fn(x) over the crossing `axes` (a lax collective), bracketed by marks
     that pass the data through (aliased). The data dependency is what orders
     them: XLA:CPU runs thunks by data flow and drops optimization barriers,
     so a mark tied by a barrier can run after a collective that already
     failed. Aliasing is free on temporaries; on an entry parameter (e.g. a
-    ppermute of the op's own input) XLA copies it once."""
+    ppermute of the op's own input) XLA copies it once. First, every process
+    checks the others run the same step (`check`); `agree`: what else must
+    match (the reduction)."""
     site = stable_site_id("xproc", what)  # one per step of the program, alike in every process
-    x = mark(varying(x, axes), 0, site, what)
+    x = check(varying(x, axes), axes, what, agree)
+    x = mark(x, 0, site, what)
     y = fn(varying(x, axes))
     return mark(y, 1, site, what)
 

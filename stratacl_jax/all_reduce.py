@@ -91,8 +91,9 @@ HIERARCHICAL_MIN_BYTES = int(os.environ.get("STRATA_XPROC_RS_MIN_BYTES", 0))
 
 def _cross_reduce(x, axes, op, what):
     if op == "prod":
-        return _mp.cross(lambda v: jnp.prod(lax.all_gather(v, axes), axis=0).astype(v.dtype), x, axes, what)
-    return _mp.cross(lambda v: _TWINS[op](v, axes), x, axes, what)
+        return _mp.cross(lambda v: jnp.prod(lax.all_gather(v, axes), axis=0).astype(v.dtype), x, axes, what,
+                         agree=("op", op))
+    return _mp.cross(lambda v: _TWINS[op](v, axes), x, axes, what, agree=("op", op))
 
 
 def _lower_across(x, group, op, settings, local, crossing):

@@ -77,7 +77,8 @@ def _lower(x, *, group, dim, tiled, op, settings):
 def _cross_scatter(x, axes, op, what):
     """Rank r of `axes` gets x[r] reduced over `axes` (XLA's collectives)."""
     if op == "sum":
-        return _mp.cross(lambda v: lax.psum_scatter(v, axes, scatter_dimension=0, tiled=False), x, axes, what)
+        return _mp.cross(lambda v: lax.psum_scatter(v, axes, scatter_dimension=0, tiled=False), x, axes, what,
+                         agree=("op", op))
 
     def reduce_then_take(v):
         if op == "prod":
@@ -86,7 +87,7 @@ def _cross_scatter(x, axes, op, what):
             total = {"max": lax.pmax, "min": lax.pmin}[op](v, axes)
         return lax.dynamic_index_in_dim(total, lax.axis_index(axes), axis=0, keepdims=False)
 
-    return _mp.cross(reduce_then_take, x, axes, what)
+    return _mp.cross(reduce_then_take, x, axes, what, agree=("op", op))
 
 
 def _lower_across(x, group, dim, tiled, op, settings, local, crossing):

@@ -164,6 +164,19 @@ def test_stalled_peer_times_out_naming_the_op(tmp_path):
     assert after_s < 20, f"took {after_s:.1f} s to report"
 
 
+def test_processes_that_disagree_on_the_op_raise_and_recover(tmp_path):
+    """Process 0 all_reduces with op="sum", process 1 with "max" over "proc":
+    both used to exit 0 with process 1 holding the sum."""
+    results = launch(2, 2, "diverge", tmp_path, bound_s=120)
+    for pid, (rc, so, se, _) in enumerate(results):
+        assert rc == 0, (pid, so, se[-3000:])
+        raised = next((line for line in so.splitlines() if line.startswith(f"[{pid}] raised:")), None)
+        assert raised is not None, (pid, so, se[-2000:])
+        assert "strata.all_reduce: processes disagree on this cross-process collective" in raised, raised
+        assert ("op=sum" if pid == 0 else "op=max") in raised and f"process {1 - pid} (op hash" in raised, raised
+        assert f"[{pid}] recovered True" in so, so
+
+
 def test_benchmark_cli_across_processes(tmp_path):
     """python -m benchmarks collectives --processes 2: the sweep across processes runs."""
     root = os.path.dirname(HERE)

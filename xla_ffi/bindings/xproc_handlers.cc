@@ -63,6 +63,35 @@ ffi::Error Mark(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o
   return ffi::Error::Success();
 }
 
+// Every process's hash of the step (all-gathered over the crossing axes, in
+// their rank order) against this one's; passes x through (aliased).
+ffi::Error Check(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> hashes, ffi::Result<ffi::AnyBuffer> out,
+                 ffi::Span<const int32_t> procs, int32_t own, int32_t process, std::string_view what) {
+  if (x.size_bytes() != out->size_bytes())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "strata_xproc_check: sizes differ");
+  if (out->untyped_data() != x.untyped_data() && x.size_bytes() > 0)
+    std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  const int32_t* h = hashes.typed_data();
+  const size_t n = hashes.element_count();
+  std::string others;
+  for (size_t r = 0; r < n; ++r) {
+    if (h[r] == own) continue;
+    const int32_t p = r < procs.size() ? procs[r] : -1;
+    if (p == process) continue;  // this process's own ranks hold its hash
+    if (others.find("process " + std::to_string(p) + " ") != std::string::npos) continue;
+    if (!others.empty()) others += ", ";
+    others += "process " + std::to_string(p) + " (op hash " + std::to_string(h[r]) + ")";
+  }
+  if (others.empty()) return ffi::Error::Success();
+  const std::string op(what.substr(0, what.find(" over ")));
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    op + ": processes disagree on this cross-process collective: this process (" +
+                        std::to_string(process) + ") runs " + std::string(what) + " (op hash " +
+                        std::to_string(own) + "), but " + others +
+                        " runs another op, reduction, dtype, shape or group here. Every process must run the "
+                        "same collectives with the same arguments, in the same order; nothing was exchanged.");
+}
+
 }  // namespace
 
 void BindXproc(nb::module_& m) {
@@ -85,4 +114,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataXprocMark, strata::Mark,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("site_id")
                                   .Attr<int32_t>("phase")
+                                  .Attr<std::string_view>("what"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataXprocCheck, strata::Check,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int32_t>>("procs")
+                                  .Attr<int32_t>("own")
+                                  .Attr<int32_t>("process")
                                   .Attr<std::string_view>("what"));

@@ -69,6 +69,8 @@ def run_failure(mode):
     if pid == nproc - 1:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no goodbye
+        if mode == "pause":
+            os.kill(os.getpid(), signal.SIGSTOP)  # alive, but neither heartbeats nor joins
         time.sleep(120)  # stall: alive, heartbeating, never joins
         os._exit(0)
     time.sleep(0.5)

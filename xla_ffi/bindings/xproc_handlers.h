@@ -10,6 +10,7 @@ XLA_FFI_Error* StrataXprocMark(XLA_FFI_CallFrame* call_frame);
 // op (op, reduction, dtype, shape, group: one hash each, all-gathered by XLA
 // over the crossing axes); an error naming the disagreeing processes otherwise.
 XLA_FFI_Error* StrataXprocCheck(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* StrataXprocHash(XLA_FFI_CallFrame* call_frame);
 }
 
 namespace strata {

@@ -290,3 +290,38 @@ def test_two_launching_threads_never_hang():
                            "--iterations", "200", "--runs", "1", "--timeout", "120"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "2 passed, 0 failed" in proc.stdout, proc.stdout + proc.stderr
+
+
+# --- item 2: a timeout next to XLA's own collectives says what comes next ----------------------
+
+
+def test_timeout_beside_an_xla_collective_says_to_restart():
+    """Rank-dependent cond: strata.all_reduce on some ranks, lax.psum on the
+    others. strata times out; the ranks in XLA's rendezvous cannot be
+    released and XLA aborts the process later, so the error says so."""
+    script = textwrap.dedent("""
+        import os
+        import stratacl_jax as strata
+        strata.emulator.ensure_devices(8)
+        import jax, numpy as np
+        from jax import lax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        mesh = strata.emulator.make_mesh((8,), ("x",))
+        def body(v):
+            return lax.cond(lax.axis_index("x") < 4, lambda u: strata.all_reduce(u, "x"),
+                            lambda u: lax.psum(u, "x"), v)
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+        x = jax.device_put(np.ones(8 * 4, np.float32), NamedSharding(mesh, P("x")))
+        with strata.config(timeout_s=2.0):
+            try:
+                # Rank 0 took strata's branch: its shard carries strata's error.
+                f(x).addressable_shards[0].data.block_until_ready()
+                print("NO ERROR", flush=True)
+            except Exception as e:
+                print("ERROR:", str(e).replace(chr(10), " "), flush=True)
+        os._exit(0)  # XLA's rendezvous would abort the process later
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    error = next((line for line in proc.stdout.splitlines() if line.startswith("ERROR:")), "")
+    assert "strata.all_reduce" in error and "timed out" in error, proc.stdout + proc.stderr[-3000:]
+    assert "XLA's own collectives" in error and "restart the process" in error, error

@@ -70,8 +70,29 @@ def is_constant(x) -> bool:
     return all(not isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
 
 
-def normalize_axes(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+def normalize_axes(axis_name, opname: str = "strata") -> tuple:
+    """`axis_name` as a tuple of mesh axis names; anything but a str or a
+    tuple/list of str is the op's TypeError (lax reads an int as a positional
+    array axis, which no collective has)."""
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    for a in axes:
+        if not isinstance(a, str):
+            raise TypeError(
+                f"{opname}: axis_name must be a mesh axis name (a str) or a tuple of them, got {axis_name!r}"
+                + (" (an int is a positional array axis in jax.lax, not a mesh axis)"
+                   if isinstance(a, (int, np.integer)) else ""))
+    return axes
+
+
+def static_int(opname: str, name: str, value, *, lo: int | None = None, hi: int | None = None) -> int:
+    """A static integer argument (a Python or numpy integer, not a bool or a
+    float) as an int in [lo, hi), or the op's error naming the argument."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{opname}: {name} must be an int, got {value!r} ({type(value).__name__})")
+    v = int(value)
+    if (lo is not None and v < lo) or (hi is not None and v >= hi):
+        raise ValueError(f"{opname}: {name} must be in [{lo}, {hi}), got {v}")
+    return v
 
 
 def check_dtype(opname: str, x, *, reduce_op: str | None = None) -> None:
@@ -128,7 +149,7 @@ class Group(GroupSpec):
     raises the op's error when there is none."""
 
     def __init__(self, opname: str, axis_name):
-        axes = normalize_axes(axis_name)
+        axes = normalize_axes(axis_name, opname)
         mesh = jax.sharding.get_abstract_mesh()
         manual = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual] if not mesh.empty else []
         if not manual:

@@ -253,7 +253,50 @@ def mark(x, phase: int, site: int, what: str):
     _ensure_monitor()
     fn = jax.ffi.ffi_call("strata_xproc_mark", jax.ShapeDtypeStruct(x.shape, x.dtype),
                           input_output_aliases={0: 0})
-    return fn(x, site_id=np.int64(site), phase=np.int32(phase), what=what)
+    from . import _config
+
+    # The op's timeout travels with the step: the monitor thread cannot see
+    # the with-block of the thread that runs the program.
+    timeout_ms = int(round(_config.current().timeout_s * 1000))
+    return fn(x, site_id=np.int64(site), phase=np.int32(phase), what=what, timeout_ms=np.int64(timeout_ms))
+
+
+def _crossing_processes(axes) -> list:
+    """The process of each rank of `axes` (their rank order) in the group of
+    this process's first device."""
+    names, procs = getattr(_lowering, "grid", None) or ((), None)
+    if procs is None or not all(a in names for a in axes):
+        return []
+    at = np.argwhere(procs == jax.process_index())
+    if not len(at):
+        return []
+    index = list(at[0])
+    dims = [names.index(a) for a in axes]
+    out = []
+    for coords in np.ndindex(*[procs.shape[d] for d in dims]):
+        for d, c in zip(dims, coords):
+            index[d] = c
+        out.append(int(procs[tuple(index)]))
+    return out
+
+
+def check(x, axes, what, site, agree=()):
+    """Every process of a cross-process step must run the same op: a 31-bit
+    hash of (op, group, dtype, shape, reduction) is all-gathered over the
+    crossing axes (one int32 per rank, in the same step XLA runs anyway:
+    processes that disagree on the op still agree on this gather) and a
+    check passes x through (aliased) only when every hash is this one, so
+    the step itself never runs on a disagreement (it used to mix a sum with
+    a max silently)."""
+    text = f"{what}: {np.dtype(x.dtype).name}{list(x.shape)}" + "".join(f", {k}={v}" for k, v in
+                                                                           zip(agree[::2], agree[1::2]))
+    own = zlib.crc32(text.encode()) & 0x7FFFFFFF  # not where it was called: only what it is
+    mine = jax.ffi.ffi_call("strata_xproc_hash", jax.ShapeDtypeStruct((1,), jnp.int32))(x, own=np.int32(own))
+    hashes = lax.all_gather(varying(mine, axes), tuple(axes), axis=0, tiled=True)
+    fn = jax.ffi.ffi_call("strata_xproc_check", jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0})
+    return fn(x, hashes, procs=np.asarray(_crossing_processes(axes), np.int32), site_id=np.int64(site),
+              own=np.int32(own),
+              process=np.int32(jax.process_index()), what=text)
 
 
 def varying(x, axes):
@@ -262,15 +305,18 @@ def varying(x, axes):
     return make_varying(x, tuple(axes))
 
 
-def cross(fn, x, axes, what):
+def cross(fn, x, axes, what, agree=()):
     """fn(x) over the crossing `axes` (a lax collective), bracketed by marks
     that pass the data through (aliased). The data dependency is what orders
     them: XLA:CPU runs thunks by data flow and drops optimization barriers,
     so a mark tied by a barrier can run after a collective that already
     failed. Aliasing is free on temporaries; on an entry parameter (e.g. a
-    ppermute of the op's own input) XLA copies it once."""
+    ppermute of the op's own input) XLA copies it once. First, every process
+    checks the others run the same step (`check`); `agree`: what else must
+    match (the reduction)."""
     site = stable_site_id("xproc", what)  # one per step of the program, alike in every process
     x = mark(varying(x, axes), 0, site, what)
+    x = check(varying(x, axes), axes, what, site, agree)
     y = fn(varying(x, axes))
     return mark(y, 1, site, what)
 
@@ -337,11 +383,54 @@ HEARTBEAT_S = 0.25
 
 def peer_timeout_s() -> float:
     """How long a peer's heartbeat may stand still while we wait for it in a
-    cross-process step (STRATA_PEER_TIMEOUT_S; default 10 s)."""
+    cross-process step: STRATA_PEER_TIMEOUT_S (default 10 s), and at most half
+    of jax.distributed's heartbeat_timeout_seconds, so strata names the op and
+    the stalled process before JAX's coordination service aborts this one
+    (with a 10 s heartbeat both fired at 10 s and JAX's SIGABRT won)."""
     try:
-        return float(os.environ.get("STRATA_PEER_TIMEOUT_S", "10"))
+        limit = float(os.environ.get("STRATA_PEER_TIMEOUT_S", "10"))
     except ValueError:
-        return 10.0
+        limit = 10.0
+    if _jax_heartbeat_s[0]:
+        limit = min(limit, 0.5 * _jax_heartbeat_s[0])
+    return max(limit, 2 * HEARTBEAT_S)
+
+
+# heartbeat_timeout_seconds given to jax.distributed.initialize (None: unknown).
+_jax_heartbeat_s: list = [None]
+
+
+def _capture_heartbeat_setting() -> None:
+    """Records heartbeat_timeout_seconds when jax.distributed.initialize runs
+    (JAX keeps it only inside its C++ client)."""
+    try:
+        import functools
+        import inspect
+
+        from jax._src import distributed
+    except Exception:  # noqa: BLE001
+        return
+    original = distributed.State.initialize
+    if getattr(original, "_strata_wrapped", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize(self, *args, **kwargs):
+        try:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            value = bound.arguments.get("heartbeat_timeout_seconds")
+            _jax_heartbeat_s[0] = float(value) if value else None
+        except Exception:  # noqa: BLE001
+            pass
+        return original(self, *args, **kwargs)
+
+    initialize._strata_wrapped = True
+    distributed.State.initialize = initialize
+
+
+_capture_heartbeat_setting()
 
 
 def _client():
@@ -442,8 +531,6 @@ def _procs_in(what):
 
 
 def _monitor_loop():
-    from . import _config
-
     while not _stop.wait(HEARTBEAT_S):
         try:
             inflight = _core_inflight()
@@ -453,8 +540,7 @@ def _monitor_loop():
             continue
         now = time.monotonic()
         limit = peer_timeout_s()
-        timeout = _config.current().timeout_s
-        for site, device, age, what in inflight:
+        for site, device, age, what, timeout in inflight:
             dead = _dead_peers(_procs_in(what), now, limit)
             why = None
             if dead:

@@ -37,7 +37,8 @@ def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False, to: str = "v
     if to not in _TO:
         raise ValueError(f"{OPNAME}: to must be one of {_TO}, got {to!r}")
     _ffi.check_axis_index_groups(OPNAME, axis_index_groups)
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
+    axis = _ffi.static_int(OPNAME, "axis", axis)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:
         if mesh_axes:

@@ -34,7 +34,7 @@ def all_reduce(x, axis_name, *, op: str = "sum", axis_index_groups=None):
     if op not in OPS:
         raise ValueError(f"{OPNAME}: op must be one of {OPS}, got {op!r}")
     _ffi.check_axis_index_groups(OPNAME, axis_index_groups)
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     group = _ffi.Group(OPNAME, mesh_axes).spec() if mesh_axes or not vmap_axes else None
     if op in ("sum", "mean") and _ffi.is_constant(x):
@@ -96,8 +96,9 @@ HIERARCHICAL_MIN_BYTES = int(os.environ.get("STRATA_XPROC_RS_MIN_BYTES", 0))
 
 def _cross_reduce(x, axes, op, what):
     if op == "prod":
-        return _mp.cross(lambda v: jnp.prod(lax.all_gather(v, axes), axis=0).astype(v.dtype), x, axes, what)
-    return _mp.cross(lambda v: _TWINS[op](v, axes), x, axes, what)
+        return _mp.cross(lambda v: jnp.prod(lax.all_gather(v, axes), axis=0).astype(v.dtype), x, axes, what,
+                         agree=("op", op))
+    return _mp.cross(lambda v: _TWINS[op](v, axes), x, axes, what, agree=("op", op))
 
 
 def _lower_across(x, group, op, settings, local, crossing):

@@ -21,7 +21,9 @@ def all_to_all(x, axis_name, split_axis: int, concat_axis: int, *, tiled: bool =
     """Sends chunk j of `split_axis` to rank j; received chunks stack (or, tiled,
     concatenate) along `concat_axis` in rank order. `x` may be a pytree."""
     _ffi.check_axis_index_groups(OPNAME, axis_index_groups)
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
+    split_axis = _ffi.static_int(OPNAME, "split_axis", split_axis)
+    concat_axis = _ffi.static_int(OPNAME, "concat_axis", concat_axis)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:
         if mesh_axes:

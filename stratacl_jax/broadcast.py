@@ -19,13 +19,16 @@ OPNAME = "strata.broadcast"
 
 def broadcast(x, axis_name, *, root: int = 0):
     """Rank `root`'s `x` (an array or a pytree) on every rank of `axis_name`."""
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes and mesh_axes:
         raise NotImplementedError(f"{OPNAME}: axes {axes} mix vmap axes {vmap_axes} with mesh axes {mesh_axes}")
     n = _ffi.Group(OPNAME, axes).size if not vmap_axes else jax.lax.axis_size(axes)
-    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < n:
+    if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
+        raise TypeError(f"{OPNAME}: root must be an int in [0, {n}) for axes {axes}, got {root!r}")
+    if not 0 <= root < n:
         raise ValueError(f"{OPNAME}: root must be an int in [0, {n}) for axes {axes}, got {root!r}")
+    root = int(root)
     if vmap_axes:  # the batch is on this rank
         return jax.tree.map(lambda v: lax.all_gather(v, axes)[root], x)
     group = _ffi.Group(OPNAME, axes).spec()

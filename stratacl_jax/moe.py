@@ -24,6 +24,7 @@ tests and benchmarks) and ``dense_moe_ffn`` (single-device, no capacity).
 from __future__ import annotations
 
 import dataclasses
+import os
 from functools import partial
 
 import jax
@@ -81,6 +82,38 @@ def _positive_int(opname, name, value):
     return int(value)
 
 
+_INT32_MAX = (1 << 31) - 1
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_capacity(local_experts, capacity, x, top_k, n):
+    """The handle numbers rows and pairs in int32 (``e * capacity + row``,
+    ``(rank * T + t) * K + k``), and recv_x [E_local, capacity, H] must fit
+    in memory: say which argument breaks that instead of failing to allocate."""
+    tokens, hidden = x.shape
+    if local_experts * capacity > _INT32_MAX:
+        raise ValueError(
+            f"{DISPATCH}: capacity={capacity} gives {local_experts} local experts x {capacity} rows = "
+            f"{local_experts * capacity} rows, past the int32 row ids of the handle ({_INT32_MAX}); at most "
+            f"{n * tokens * top_k} (token, k) pairs of the {n} ranks can reach one expert")
+    if n * tokens * top_k > _INT32_MAX:
+        raise ValueError(f"{DISPATCH}: {n} ranks x {tokens} tokens x top-{top_k} = {n * tokens * top_k} pairs, "
+                         f"past the int32 pair ids of the handle ({_INT32_MAX})")
+    nbytes = local_experts * capacity * hidden * np.dtype(x.dtype).itemsize
+    memory = _host_memory_bytes()
+    if memory is not None and nbytes > memory:
+        raise ValueError(
+            f"{DISPATCH}: capacity={capacity} makes recv_x [E_local={local_experts}, {capacity}, H={hidden}] "
+            f"{nbytes} bytes per rank, more than this host's {memory} bytes of memory; at most "
+            f"{n * tokens * top_k} (token, k) pairs of the {n} ranks can reach one expert")
+
+
 def _call(target, group, operands, results, **attrs):
     """One MoE custom call: the group's (rank, group) operand and the runtime
     settings in force now (mode="buffer_centric" stages rows through
@@ -131,10 +164,11 @@ def dispatch(x, topk_idx, *, axis_name, num_experts: int, capacity: int):
         raise TypeError(f"{DISPATCH}: topk_idx must hold integer expert ids, got {topk_idx.dtype}")
     num_experts = _positive_int(DISPATCH, "num_experts", num_experts)
     capacity = _positive_int(DISPATCH, "capacity", capacity)
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, DISPATCH)
     n = _ffi.Group(DISPATCH, axes).size
     if num_experts % n:
         raise ValueError(f"{DISPATCH}: num_experts={num_experts} is not divisible by the {n} ranks of {axes}")
+    _check_capacity(num_experts // n, capacity, x, topk_idx.shape[1], n)
     _check_ids_if_known(topk_idx, num_experts)
     if np.dtype(topk_idx.dtype) == np.uint64:  # past int64's range is out of range either way
         topk_idx = jnp.minimum(topk_idx, np.iinfo(np.int64).max).astype(jnp.int64)
@@ -411,7 +445,7 @@ def expert_parallel_ffn(x, router_w, w_in, w_out, *, axis_name, top_k: int, capa
     callable) between the two matmuls, combine weighted by the router. Returns
     y [T, H]; pairs dropped for capacity contribute 0."""
     x = jnp.asarray(x)
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, LAYER)
     e = _check_layer(x, router_w, w_in, w_out, top_k, _ffi.Group(LAYER, axes).size)
     weights, idx = route(x, router_w, top_k, renormalize=renormalize)
     recv_x, handle = dispatch(x, idx, axis_name=axes, num_experts=e, capacity=capacity)
@@ -427,7 +461,7 @@ def reference_dispatch(x, topk_idx, *, axis_name, num_experts: int, capacity: in
     ``[N, E_local, capacity, H]`` send buffer, one ``lax.all_to_all`` moves it,
     and the owner gathers the rows into place. Same order and drop rule.
     Returns ``(recv_x, state)``; ``state`` is what :func:`reference_combine` needs."""
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, "strata.moe.reference_dispatch")
     n = lax.axis_size(axes)
     rank = lax.axis_index(axes)
     t, h = x.shape
@@ -470,7 +504,7 @@ def reference_combine(expert_y, state, topk_weights, *, axis_name):
     """combine() the usual JAX way: owners scatter rows back into padded
     ``[N, E_local, capacity, H]`` buffers, one ``lax.all_to_all`` returns them,
     and every rank takes the weighted sum of its pairs' rows."""
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, "strata.moe.reference_combine")
     n = lax.axis_size(axes)
     el, cap, h = expert_y.shape
     l_idx = jnp.broadcast_to(jnp.arange(el)[:, None], (el, cap))
@@ -489,7 +523,7 @@ def reference_expert_parallel_ffn(x, router_w, w_in, w_out, *, axis_name, top_k:
     padded ``[N, E_local, capacity, H]`` buffers: same routing, order, drop
     rule and math (the peer in tests and benchmarks)."""
     x = jnp.asarray(x)
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, "strata.moe.reference_expert_parallel_ffn")
     e = _check_layer(x, router_w, w_in, w_out, top_k, lax.axis_size(axes))
     weights, idx = route(x, router_w, top_k, renormalize=renormalize)
     recv_x, state = reference_dispatch(x, idx, axis_name=axes, num_experts=e, capacity=capacity)

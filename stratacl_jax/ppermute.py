@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _config
@@ -17,9 +18,17 @@ OPNAME = "strata.ppermute"
 
 def _check_perm(perm, n, axes):
     try:
-        pairs = tuple((int(s), int(d)) for s, d in perm)
-    except (TypeError, ValueError):
-        raise ValueError(f"{OPNAME}: perm must be a sequence of (source, destination) pairs, got {perm!r}") from None
+        raw = [tuple(pair) for pair in perm]
+    except TypeError:
+        raw = None
+    if raw is None or any(len(pair) != 2 for pair in raw):
+        raise ValueError(f"{OPNAME}: perm must be a sequence of (source, destination) pairs, got {perm!r}")
+    for pair in raw:
+        for v in pair:
+            # As lax.ppermute: indices are ints (a float is not truncated).
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{OPNAME}: perm must hold int ranks, got {v!r} ({type(v).__name__}) in {perm!r}")
+    pairs = tuple((int(s), int(d)) for s, d in raw)
     for s, d in pairs:
         if not (0 <= s < n and 0 <= d < n):
             raise ValueError(f"{OPNAME}: pair ({s}, {d}) is out of range for the {n} ranks of {axes}")
@@ -32,7 +41,7 @@ def _check_perm(perm, n, axes):
 def ppermute(x, axis_name, perm):
     """Rank s sends `x` (an array or a pytree) to rank d for each (s, d) in
     `perm`; ranks that receive nothing get zeros."""
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:
         if mesh_axes:

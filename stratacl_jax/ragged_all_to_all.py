@@ -28,6 +28,7 @@ from . import _ffi
 from . import _multiprocess as _mp
 
 OPNAME = "strata.ragged_all_to_all"
+_INDEX_DTYPES = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "uint64"))
 
 
 def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=None,
@@ -37,7 +38,7 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         raise TypeError(f"{OPNAME}: axis_name is required")
     if axis_index_groups is not None:
         raise NotImplementedError(f"{OPNAME}: axis_index_groups is not supported; use a mesh axis per group")
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:
         raise NotImplementedError(f"{OPNAME}: axes {vmap_axes} are vmap axes; like lax's, it runs over mesh axes only")
@@ -59,7 +60,9 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
         if v.ndim != 1 or v.shape[0] < 1 or v.shape[0] % group.size:
             raise ValueError(f"{OPNAME}: {name} must be 1-D with a positive multiple of the group's {group.size} "
                              f"ranks entries, got shape {v.shape}")
-        vectors.append(v.astype(jnp.int32))
+        # Kept in their own type (the runtime reads int32/int64/uint32/uint64):
+        # a cast to int32 would wrap 2**32 + 2 into 2 and run the wrong rows.
+        vectors.append(v if np.dtype(v.dtype) in _INDEX_DTYPES else v.astype(jnp.int32))
     if len({v.shape for v in vectors}) != 1:
         raise ValueError(f"{OPNAME}: offsets and sizes must have one length, got {[v.shape for v in vectors]}")
     args = [_ffi.make_varying(v, axes) for v in (operand, output, *vectors)]
@@ -97,9 +100,12 @@ def _lower_across(operand, output, input_offsets, send_sizes, output_offsets, gr
         return lax.all_gather(v, axes, axis=0)
 
     ops = _mp.cross(gathered, operand, axes, what)  # [n, N, ...]
-    offsets = _mp.cross(gathered, jnp.stack([input_offsets, send_sizes, output_offsets]), axes, what)  # [n, 3, n]
+    # Compared in the widest integer type at hand, so no offset wraps.
+    wide = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    vectors = jnp.stack([v.astype(wide) for v in (input_offsets, send_sizes, output_offsets)])
+    offsets = _mp.cross(gathered, vectors, axes, what)  # [n, 3, n]
     me = lax.axis_index(axes)
-    rows = jnp.arange(output.shape[0])
+    rows = jnp.arange(output.shape[0], dtype=wide)
     out = output
     for src in range(n):
         start_in, size, start_out = (offsets[src, i, me] for i in range(3))

@@ -24,7 +24,8 @@ def reduce_scatter(x, axis_name, *, scatter_dimension: int = 0, tiled: bool = Fa
     """Reduces `x` (an array or a pytree) over `axis_name`; rank r keeps block
     r of `scatter_dimension`."""
     _ffi.check_axis_index_groups(OPNAME, axis_index_groups)
-    axes = _ffi.normalize_axes(axis_name)
+    axes = _ffi.normalize_axes(axis_name, OPNAME)
+    scatter_dimension = _ffi.static_int(OPNAME, "scatter_dimension", scatter_dimension)
     mesh_axes, vmap_axes = _ffi.split_axes(OPNAME, axes)
     if vmap_axes:
         if mesh_axes or op != "sum":
@@ -78,7 +79,8 @@ def _lower(x, *, group, dim, tiled, op, settings):
 def _cross_scatter(x, axes, op, what):
     """Rank r of `axes` gets x[r] reduced over `axes` (XLA's collectives)."""
     if op == "sum":
-        return _mp.cross(lambda v: lax.psum_scatter(v, axes, scatter_dimension=0, tiled=False), x, axes, what)
+        return _mp.cross(lambda v: lax.psum_scatter(v, axes, scatter_dimension=0, tiled=False), x, axes, what,
+                         agree=("op", op))
 
     def reduce_then_take(v):
         if op == "prod":
@@ -87,7 +89,7 @@ def _cross_scatter(x, axes, op, what):
             total = {"max": lax.pmax, "min": lax.pmin}[op](v, axes)
         return lax.dynamic_index_in_dim(total, lax.axis_index(axes), axis=0, keepdims=False)
 
-    return _mp.cross(reduce_then_take, x, axes, what)
+    return _mp.cross(reduce_then_take, x, axes, what, agree=("op", op))
 
 
 def _lower_across(x, group, dim, tiled, op, settings, local, crossing):

@@ -69,6 +69,8 @@ def run_failure(mode):
     if pid == nproc - 1:
         if mode == "kill":
             os.kill(os.getpid(), signal.SIGKILL)  # a crash: no clean-up, no goodbye
+        if mode == "pause":
+            os.kill(os.getpid(), signal.SIGSTOP)  # alive, but neither heartbeats nor joins
         time.sleep(120)  # stall: alive, heartbeating, never joins
         os._exit(0)
     time.sleep(0.5)
@@ -108,7 +110,33 @@ def run_trace():
     print(f"[{pid}] traced {[(o.op, o.process, o.devices) for o in tr.ops]}", flush=True)
 
 
-if cfg["mode"] == "cases":
+def run_diverge():
+    """Process 0 sums over "proc", the others take the max: every process
+    must raise naming the disagreement (it used to mix them silently), and
+    run a correct program afterwards."""
+    mesh = strata.emulator.make_mesh((nproc, cfg["n_local"]), ("proc", "npu"))
+    spec = P(("proc", "npu"))
+    x = place(np.arange(nproc * cfg["n_local"] * 4, dtype=np.float32).reshape(-1, 4), NamedSharding(mesh, spec))
+    op = "sum" if pid == 0 else "max"
+    f = jax.jit(jax.shard_map(lambda v: strata.all_reduce(v, "proc", op=op), mesh=mesh, in_specs=spec,
+                              out_specs=spec))
+    try:
+        f(x).block_until_ready()
+        print(f"[{pid}] diverged silently", flush=True)
+    except Exception as e:
+        print(f"[{pid}] raised: {str(e)[:1500]}", flush=True)
+    g = jax.jit(jax.shard_map(lambda v: strata.all_reduce(v, "proc"), mesh=mesh, in_specs=spec, out_specs=spec))
+    got = np.asarray(multihost_utils.process_allgather(g(x), tiled=True))
+    want = np.asarray(np.arange(nproc * cfg["n_local"] * 4, dtype=np.float32).reshape(nproc, cfg["n_local"], 4)
+                      .sum(0))
+    print(f"[{pid}] recovered {bool(np.allclose(got.reshape(nproc, cfg['n_local'], 4)[0], want))}", flush=True)
+    multihost_utils.sync_global_devices("done")
+    jax.distributed.shutdown()
+
+
+if cfg["mode"] == "diverge":
+    run_diverge()
+elif cfg["mode"] == "cases":
     run_cases()
     run_trace()
     multihost_utils.sync_global_devices("done")

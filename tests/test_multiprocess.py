@@ -41,9 +41,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(nproc, n_local, mode, out, *, meshes=(), bound_s=150.0, env=None, **extra):
+def launch(nproc, n_local, mode, out, *, meshes=(), bound_s=150.0, env=None, kill_after_first=False, **extra):
     """Starts the workers; returns [(returncode, stdout, stderr, seconds)],
-    killing every worker that outlives `bound_s`."""
+    killing every worker that outlives `bound_s` (or process 0, with
+    kill_after_first)."""
     port = free_port()
     child_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
                      PYTHONUNBUFFERED="1", **(env or {}))
@@ -60,6 +61,10 @@ def launch(nproc, n_local, mode, out, *, meshes=(), bound_s=150.0, env=None, **e
         try:
             so, se = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             results[i] = (p.returncode, so, se, time.monotonic() - start)
+            if i == 0 and kill_after_first:
+                for q in procs[1:]:
+                    if q.poll() is None:
+                        q.kill()
         except subprocess.TimeoutExpired:
             for q in procs:
                 if q.poll() is None:
@@ -162,6 +167,30 @@ def test_stalled_peer_times_out_naming_the_op(tmp_path):
     assert rc == 75, f"exit {rc}\n{so}\n{err[-4000:]}"
     assert "strata.all_reduce over ('proc',)" in err and "did not complete it within" in err, err[-4000:]
     assert after_s < 20, f"took {after_s:.1f} s to report"
+
+
+def test_paused_peer_is_named_before_jax_aborts(tmp_path):
+    """A peer stopped (SIGSTOP) under jax.distributed's 10 s heartbeat, and no
+    STRATA_PEER_TIMEOUT_S: JAX's coordination service used to abort process 0
+    (SIGABRT) before strata's watchdog (10 s as well) named the op."""
+    assert "STRATA_PEER_TIMEOUT_S" not in os.environ
+    res = launch(2, 2, "pause", tmp_path, bound_s=60.0, kill_after_first=True)
+    rc, so, se, _ = res[0]
+    assert rc == 75, f"exit {rc}\n{so}\n{se[-4000:]}"
+    assert "strata.all_reduce over ('proc',)" in se and "process 1 (no heartbeat for" in se, se[-4000:]
+
+
+def test_processes_that_disagree_on_the_op_raise_and_recover(tmp_path):
+    """Process 0 all_reduces with op="sum", process 1 with "max" over "proc":
+    both used to exit 0 with process 1 holding the sum."""
+    results = launch(2, 2, "diverge", tmp_path, bound_s=120)
+    for pid, (rc, so, se, _) in enumerate(results):
+        assert rc == 0, (pid, so, se[-3000:])
+        raised = next((line for line in so.splitlines() if line.startswith(f"[{pid}] raised:")), None)
+        assert raised is not None, (pid, so, se[-2000:])
+        assert "strata.all_reduce: processes disagree on this cross-process collective" in raised, raised
+        assert ("op=sum" if pid == 0 else "op=max") in raised and f"process {1 - pid} (op hash" in raised, raised
+        assert f"[{pid}] recovered True" in so, so
 
 
 def test_benchmark_cli_across_processes(tmp_path):

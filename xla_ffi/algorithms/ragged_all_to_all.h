@@ -16,11 +16,17 @@
 
 namespace strata {
 
+// The integer type of an offsets/sizes vector, as given (lax takes any
+// integer type; a narrowing cast would wrap values that do not fit).
+enum class IndexType : int32_t { S32 = 0, S64 = 1, U32 = 2, U64 = 3 };
+
 struct RaggedParams {
   int32_t group_size = 1;
   int32_t slices_per_peer = 1;  // offsets/sizes hold group_size * slices_per_peer entries
   int64_t operand_rows = 0, output_rows = 0, row_bytes = 0;
   DType dtype = DType::F32;
+  // input_offsets, send_sizes, output_offsets, recv_sizes
+  IndexType index_types[4] = {IndexType::S32, IndexType::S32, IndexType::S32, IndexType::S32};
 };
 
 // Below this many bytes copied for the whole group, the last rank in copies on
@@ -31,10 +37,11 @@ constexpr int64_t kRaggedInlineGroupBytes = 256 << 10;
 struct RaggedBuffers {
   const void* operand = nullptr;
   void* out = nullptr;
-  const int32_t* input_offsets = nullptr;   // [group_size * slices_per_peer]
-  const int32_t* send_sizes = nullptr;      // [group_size * slices_per_peer]
-  const int32_t* output_offsets = nullptr;  // [group_size * slices_per_peer], in each receiver's output
-  const int32_t* recv_sizes = nullptr;      // [group_size * slices_per_peer]
+  // [group_size * slices_per_peer] each, of RaggedParams::index_types.
+  const void* input_offsets = nullptr;
+  const void* send_sizes = nullptr;
+  const void* output_offsets = nullptr;  // in each receiver's output
+  const void* recv_sizes = nullptr;
 };
 
 // Joins the group and returns at once; `done` runs once, when every rank's

@@ -11,18 +11,21 @@
 namespace nb = nanobind;
 
 void BindMemory(nb::module_& m) {
-  m.def("arena_buffer", [](int device, size_t nbytes) {
+  // None when the arena cannot map the memory (Python names the op, the
+  // size and the device; nothing was kept).
+  m.def("arena_buffer", [](int device, size_t nbytes) -> nb::object {
     void* p = strata::ArenaFor(device).Allocate(nbytes);
-    if (!p) throw std::bad_alloc();
+    if (!p) return nb::none();
     nb::capsule owner(p, [](void* q) noexcept { strata::ArenaFree(q); });
     size_t shape[1] = {nbytes};
-    return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, 1, shape, owner);
+    return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(p, 1, shape, owner));
   });
   m.def("arena_info", [](int device) {
     strata::ArenaInfo i = strata::ArenaFor(device).Info();
     nb::dict d;
     d["chunks"] = i.chunks;
     d["bytes_reserved"] = i.bytes_reserved;
+    d["chunks_released"] = i.chunks_released;
     d["bytes_in_use"] = i.bytes_in_use;
     d["live_blocks"] = i.live_blocks;
     d["allocations"] = i.allocations;

@@ -62,6 +62,8 @@ nb::dict Registrations() {
   d["strata_ref_meet"] = EncapsulateFfiHandler(StrataRefMeet);
   // Brackets around the cross-process step of an op (the in-flight table).
   d["strata_xproc_mark"] = EncapsulateFfiHandler(StrataXprocMark);
+  d["strata_xproc_check"] = EncapsulateFfiHandler(StrataXprocCheck);
+  d["strata_xproc_hash"] = EncapsulateFfiHandler(StrataXprocHash);
   return d;
 }
 

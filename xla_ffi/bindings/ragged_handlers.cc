@@ -26,9 +26,9 @@ int64_t RowElems(ffi::AnyBuffer::Dimensions d) {
 
 ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                        ffi_common::SiteInstance* instance, ffi::AnyBuffer operand,
-                       ffi::AnyBuffer output, ffi::Buffer<ffi::S32> input_offsets,
-                       ffi::Buffer<ffi::S32> send_sizes, ffi::Buffer<ffi::S32> output_offsets,
-                       ffi::Buffer<ffi::S32> recv_sizes, ffi::Buffer<ffi::S32> meta,
+                       ffi::AnyBuffer output, ffi::AnyBuffer input_offsets,
+                       ffi::AnyBuffer send_sizes, ffi::AnyBuffer output_offsets,
+                       ffi::AnyBuffer recv_sizes, ffi::Buffer<ffi::S32> meta,
                        ffi::Result<ffi::AnyBuffer> out, int64_t site_id, int32_t group_size,
                        int32_t num_devices, int64_t timeout_ms) {
   using ffi_common::Failed;
@@ -47,6 +47,19 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
     if (v->element_count() != entries || entries == 0 || entries % group_size != 0)
       return Failed(Invalid(kOp, "offsets and sizes must be one length, a positive multiple of the group size"));
   if (meta.element_count() != 2) return Failed(Invalid(kOp, "rank operand must hold (rank, group)"));
+  IndexType index_types[4];
+  {
+    ffi::AnyBuffer* vectors[4] = {&input_offsets, &send_sizes, &output_offsets, &recv_sizes};
+    for (int v = 0; v < 4; ++v) {
+      switch (vectors[v]->element_type()) {
+        case ffi::DataType::S32: index_types[v] = IndexType::S32; break;
+        case ffi::DataType::S64: index_types[v] = IndexType::S64; break;
+        case ffi::DataType::U32: index_types[v] = IndexType::U32; break;
+        case ffi::DataType::U64: index_types[v] = IndexType::U64; break;
+        default: return Failed(Invalid(kOp, "offsets and sizes must be int32, int64, uint32 or uint64"));
+      }
+    }
+  }
 
   if (out->untyped_data() != output.untyped_data() && output.size_bytes() > 0)
     std::memcpy(out->untyped_data(), output.untyped_data(), output.size_bytes());
@@ -58,13 +71,14 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   p.output_rows = ud[0];
   p.row_bytes = RowElems(od) * static_cast<int64_t>(DTypeSize(*dtype));
   p.dtype = *dtype;
+  for (int v = 0; v < 4; ++v) p.index_types[v] = index_types[v];
   RaggedBuffers b;
   b.operand = operand.untyped_data();
   b.out = out->untyped_data();
-  b.input_offsets = input_offsets.typed_data();
-  b.send_sizes = send_sizes.typed_data();
-  b.output_offsets = output_offsets.typed_data();
-  b.recv_sizes = recv_sizes.typed_data();
+  b.input_offsets = input_offsets.untyped_data();
+  b.send_sizes = send_sizes.untyped_data();
+  b.output_offsets = output_offsets.untyped_data();
+  b.recv_sizes = recv_sizes.untyped_data();
   ffi_common::Handoff handoff;
   RaggedAllToAllAsync(p, ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance), b,
                       handoff.Completion());
@@ -82,10 +96,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRaggedAllToAll, strata::RaggedImpl,
                                   .Ctx<ffi::State<strata::ffi_common::SiteInstance>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("site_id")

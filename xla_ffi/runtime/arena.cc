@@ -2,7 +2,9 @@
 
 #include <sys/mman.h>
 
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <memory>
 
 #include "registry.h"
@@ -14,6 +16,7 @@ size_t RoundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
 }  // namespace
 
 bool Arena::AddChunk(size_t at_least) {
+  if (at_least > (SIZE_MAX >> 1)) return false;
   const size_t size = RoundUp(std::max(at_least, kMinChunk), 2u << 20);
   void* mem = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (mem == MAP_FAILED) return false;
@@ -26,32 +29,64 @@ bool Arena::AddChunk(size_t at_least) {
   GlobalRegistry().Register(device_, reinterpret_cast<uintptr_t>(mem), static_cast<int64_t>(size));
   Chunk c{static_cast<char*>(mem), size, {}};
   c.free[0] = size;
-  chunks_.push_back(std::move(c));
+  chunks_.emplace(reinterpret_cast<uintptr_t>(mem), std::move(c));
   info_.chunks++;
   info_.bytes_reserved += static_cast<int64_t>(size);
   return true;
 }
 
+void Arena::Release(std::map<uintptr_t, Chunk>::iterator it) {
+  GlobalRegistry().Deregister(device_, it->first);
+  munmap(it->second.base, it->second.size);
+  info_.chunks--;
+  info_.chunks_released++;
+  info_.bytes_reserved -= static_cast<int64_t>(it->second.size);
+  chunks_.erase(it);
+}
+
+void Arena::Trim() {
+  // Keep the largest wholly free chunk that is small enough; release the rest.
+  auto keep = chunks_.end();
+  for (auto it = chunks_.begin(); it != chunks_.end(); ++it)
+    if (it->second.Empty() && it->second.size <= kKeepFreeBytes &&
+        (keep == chunks_.end() || it->second.size > keep->second.size))
+      keep = it;
+  for (auto it = chunks_.begin(); it != chunks_.end();) {
+    auto next = std::next(it);
+    if (it != keep && it->second.Empty()) Release(it);
+    it = next;
+  }
+
+}
+
 void* Arena::Allocate(size_t bytes) {
+  if (bytes > (SIZE_MAX >> 1)) return nullptr;
   const size_t len = RoundUp(std::max<size_t>(bytes, 1), kAlign);
   std::lock_guard<std::mutex> lock(mu_);
   for (int attempt = 0; attempt < 2; ++attempt) {
-    for (size_t ci = 0; ci < chunks_.size(); ++ci) {
-      Chunk& c = chunks_[ci];
+    for (auto& [base, c] : chunks_) {
       for (auto it = c.free.begin(); it != c.free.end(); ++it) {  // first fit
         if (it->second < len) continue;
         const size_t off = it->first, rest = it->second - len;
         c.free.erase(it);
         if (rest) c.free[off + len] = rest;
         char* p = c.base + off;
-        live_[reinterpret_cast<uintptr_t>(p)] = {ci, len};
+        live_[reinterpret_cast<uintptr_t>(p)] = {base, len};
         info_.bytes_in_use += static_cast<int64_t>(len);
         info_.live_blocks++;
         info_.allocations++;
         return p;
       }
     }
-    if (attempt == 0 && !AddChunk(len)) return nullptr;
+    if (attempt > 0) break;
+    // Nothing fits: wholly free chunks are too small for this request;
+    // return them before mapping a bigger one.
+    for (auto it = chunks_.begin(); it != chunks_.end();) {
+      auto next = std::next(it);
+      if (it->second.Empty()) Release(it);
+      it = next;
+    }
+    if (!AddChunk(len)) return nullptr;
   }
   return nullptr;
 }
@@ -60,10 +95,11 @@ bool Arena::Free(void* p) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = live_.find(reinterpret_cast<uintptr_t>(p));
   if (it == live_.end()) return false;
-  const size_t ci = it->second.first, block_len = it->second.second;
+  const uintptr_t base = it->second.first;
+  const size_t block_len = it->second.second;
   size_t len = block_len;
   live_.erase(it);
-  Chunk& c = chunks_[ci];
+  Chunk& c = chunks_.at(base);
   size_t off = static_cast<char*>(p) - c.base;
   // Coalesce with the neighbours so the arena does not fragment over cycles.
   auto next = c.free.lower_bound(off);
@@ -81,6 +117,7 @@ bool Arena::Free(void* p) {
   if (len) c.free[off] = len;
   info_.bytes_in_use -= static_cast<int64_t>(block_len);
   info_.live_blocks--;
+  if (c.Empty()) Trim();
   return true;
 }
 

@@ -132,6 +132,11 @@ std::string MissingRanksError(Slot& s) {
      << "or a peer failed. Every rank of a group must issue the same collectives (the same "
      << "instructions of the program). Raise strata.config(timeout_s=...) if peers are only slow.";
   os << ElsewhereLocked(s);
+  // What strata cannot undo (README, "Guaranteed, and not"): a rank held in
+  // XLA's own rendezvous stays there, and XLA aborts the process later.
+  os << "\n  If this program also runs XLA's own collectives (jax.lax.psum and the like, or ones autodiff "
+     << "inserts), ranks that took the other path wait in XLA's rendezvous, which cannot be cancelled: XLA will "
+     << "abort this process after its own timeout (~40-60 s). Save what you need and restart the process.";
   return os.str();
 }
 

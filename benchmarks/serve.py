@@ -103,8 +103,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=_positive_int, default=4096, help="prefill: prompt length (4096)")
     p.add_argument("--dtype", default="int8", choices=("int8", "bfloat16"),
                    help="weights: int8 (W8A8, as CloudMatrix-Infer serves R1; default) or bfloat16")
-    p.add_argument("--microbatches", type=int, default=2, choices=(1, 2),
-                   help="decode: two micro-batches interleaved per layer (2, as published) or 1")
+    p.add_argument("--microbatches", type=int, default=1, choices=(1, 2),
+                   help="decode: 1 (default) or 2 micro-batches interleaved per layer, as CloudMatrix-Infer "
+                        "runs them (the model reads each weight once per micro-batch and runs one compute "
+                        "stream, so 2 is slower in it: docs/step_model.md)")
     add_model_args(p)
     common.add_output_args(p)
 

@@ -50,24 +50,21 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return v
+def _number_in(what: str, ok):
+    """An argparse type: a float that `ok` accepts, else a one-line error saying `what`."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+    return parse
 
 
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
+_fraction = _number_in("a number in (0, 1]", lambda v: 0 < v <= 1)
+_non_negative = _number_in("a number >= 0", lambda v: v >= 0)
 
 
 def add_model_args(p: argparse.ArgumentParser, capacity: bool = True) -> None:

@@ -28,9 +28,7 @@ import os
 from dataclasses import dataclass, field
 
 import jax
-import numpy as np
 
-from . import _config
 from . import _model
 from ._step_graph import Graph
 

@@ -138,7 +138,6 @@ class Node:
     # Building state of a compute node (bytes are settled at the end).
     reads: dict = field(default_factory=dict)        # value id -> bytes read
     vector_us: float = 0.0    # flops time at the dtypes' vector rates (before efficiency)
-    members: int = 0
 
 
 class Value:
@@ -352,10 +351,13 @@ class Graph:
         stack = str(getattr(eqn.source_info, "name_stack", "") or "")
         return f"{stack}/{eqn.primitive.name}" if stack else eqn.primitive.name
 
-    def _vector_us(self, eqn) -> float:
-        """Flops time of a vector equation at its dtype's peak (us, before eta)."""
+    def _vector_us(self, eqn) -> tuple[float, float]:
+        """(flops, their time at the dtype's vector peak in us, before eta) of a vector
+        equation: one operation per element of its largest operand or result."""
         out = eqn.outvars[0].aval if eqn.outvars else None
-        work = max([nelems(v.aval) for v in eqn.invars if hasattr(v, "aval")] + [nelems(out)] if out else [0])
+        if out is None:
+            return 0.0, 0.0
+        work = max([nelems(v.aval) for v in eqn.invars if hasattr(v, "aval")] + [nelems(out)])
         flops = float(work) * self.scale
         return flops, flops / (self.spec.vector_tflops_per_rank(dtype_name(out or eqn.invars[0].aval)) * 1e6)
 
@@ -382,7 +384,6 @@ class Graph:
         flops, us = self._vector_us(eqn)
         r.flops += flops
         r.vector_us += us
-        r.members += 1
         if eqn.primitive.name not in LAYOUT:
             r.info["computes"] = True
         reads = None
@@ -400,14 +401,13 @@ class Graph:
         if unit == "cube":
             node.flops = matmul_flops(eqn) * self.scale
             node.info["dtype"] = dtype_name(eqn.invars[0].aval)
-            node.members = 1
         else:
             flops, us = self._vector_us(eqn)
             if name in ("sort", "top_k", "argsort"):
                 n = max(2, eqn.invars[0].aval.shape[-1] if eqn.invars[0].aval.shape else 2)
                 flops *= math.log2(n)
                 us *= math.log2(n)
-            node.flops, node.vector_us, node.members = flops, us, 1
+            node.flops, node.vector_us = flops, us
             if name == "gather":  # reads the gathered rows (and the indices), not the table
                 reads = [nbytes(eqn.outvars[0].aval) if i == 0 else (v.nbytes if v else 0)
                          for i, v in enumerate(ins)]
@@ -448,7 +448,6 @@ class Graph:
         if cube:
             node.unit = "cube"
             node.info["dtype"] = cube[0].info.get("dtype", "bfloat16")
-        node.members = len(inner.nodes)
         self.depend(node, ins)
         self.region = None
         outs_b = [nbytes(v.aval) for v in eqn.outvars]

@@ -26,6 +26,55 @@ HERE = os.path.dirname(__file__)
 SANITIZED = bool(os.environ.get("STRATA_SANITIZER"))
 
 
+# --- item 6: NaN and the sign of zero as lax gives them ------------------------------------------
+
+
+def _special_rows(rng, dtype, m):
+    """Per-rank rows of random data with the values that tell the rules
+    apart: a NaN at rank 0, at a middle rank and at the last rank; an
+    all-NaN column; NaN beside -inf; all -0; -0 and +0 in both orders."""
+    x = rng.standard_normal((8, m)).astype(dtype)
+    nan, inf = np.nan, np.inf
+    cols = {0: {0: nan}, 1: {3: nan}, 2: {7: nan}, 3: {r: nan for r in range(8)},
+            4: {0: nan, 1: -inf, 2: -inf, 3: -inf, 4: -inf, 5: -inf, 6: -inf, 7: -inf},
+            5: {r: -0.0 for r in range(8)}, 6: {r: (-0.0 if r % 2 == 0 else 0.0) for r in range(8)},
+            7: {r: (0.0 if r % 2 == 0 else -0.0) for r in range(8)}, 8: {5: inf, 6: nan}}
+    for c, vals in cols.items():
+        for r, v in vals.items():
+            x[r, c] = v
+    return x.reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_nan_and_signed_zero_match_lax_bit_for_bit(mesh8, mesh2x4, dtype):
+    """XLA:CPU's all-reduce folds from the identity with std::max/min: a NaN
+    never wins pmax/pmin (all-NaN gives -inf/+inf), and -0s sum to +0.
+    strata's all_reduce and reduce_scatter give the same bits, on a 1-D and
+    a 2-D mesh, and so does lax routed to strata."""
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    x = _special_rows(np.random.default_rng(6), dt, 16)
+    lax_ops = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+    for mesh in (mesh8, mesh2x4):
+        axes = tuple(mesh.axis_names)
+        for op, lax_op in lax_ops.items():
+            want = shard_run(lambda v: lax_op(v, axes), mesh, x)
+            got = shard_run(lambda v: strata.all_reduce(v, axes, op=op), mesh, x)
+            assert got.tobytes() == want.tobytes(), (dtype, op, axes, got[:16], want[:16])
+            with strata.config(lax_collectives="strata"):
+                routed = shard_run(lambda v: lax_op(v, axes), mesh, x)
+            assert routed.tobytes() == want.tobytes(), (dtype, op, axes, "routed")
+        scattered = shard_run(lambda v: strata.reduce_scatter(v, axes, op="sum", tiled=True), mesh, x)
+        want = shard_run(lambda v: lax.psum_scatter(v, axes, tiled=True), mesh, x)
+        assert scattered.tobytes() == want.tobytes(), (dtype, "reduce_scatter", axes)
+    # The rules themselves, so that a change in XLA shows here and not as a mystery elsewhere.
+    full = shard_run(lambda v: lax.pmax(v, "x"), mesh8, x).reshape(8, 16)[0].astype(np.float32)
+    assert full[0] == np.nanmax(x.reshape(8, 16)[:, 0].astype(np.float32))
+    assert full[3] == -np.inf
+    summed = shard_run(lambda v: lax.psum(v, "x"), mesh8, x).reshape(8, 16)[0].astype(np.float32)
+    assert summed[5] == 0 and not np.signbit(summed[5])
+
+
 # --- item 4: with strata.config(...) holds for its own thread ---------------------------------
 
 

@@ -89,13 +89,18 @@ def special_data(rng, dtype, shape):
 
 def fold_reference(srcs, dtype, op):
     """The kernels' contract in numpy, one ufunc per step (nothing fused):
-    sources fold in rank order; 16-bit floats widen to float32 and round
-    once; NaN wins max/min (the earlier one when both are); integers wrap;
-    complex products are (ac - bd, ad + bc)."""
+    sources fold in rank order from the reduction's identity, as XLA:CPU's
+    all-reduce does (a float sum starts at +0, so -0s sum to +0; float
+    max/min start at -inf/+inf and compare with std::max/min, so a NaN never
+    wins and all-NaN gives -inf/+inf); 16-bit floats widen to float32 and
+    round once (but a float16 sum rounds every step, as lax's does); integers
+    wrap; complex products are (ac - bd, ad + bc)."""
     dt = np_dtype(dtype)
     if dtype.startswith("complex"):
         acc_re, acc_im = srcs[0].real.copy(), srcs[0].imag.copy()
         with np.errstate(all="ignore"):
+            if op == "sum":  # from +0, as floats
+                acc_re, acc_im = acc_re + 0, acc_im + 0
             for s in srcs[1:]:
                 if op == "sum":
                     acc_re, acc_im = acc_re + s.real, acc_im + s.imag
@@ -105,18 +110,23 @@ def fold_reference(srcs, dtype, op):
         out.real, out.imag = acc_re, acc_im
         return out
     wide = np.float32 if dt.itemsize == 2 and not np.issubdtype(dt, np.integer) else dt
-    acc = srcs[0].astype(wide)
+    acc, rest = srcs[0].astype(wide), srcs[1:]
+    if np.issubdtype(wide, np.floating) and op in ("sum", "max", "min"):
+        # Fold every source, from the identity.
+        acc, rest = np.full(acc.shape, {"sum": 0, "max": -np.inf, "min": np.inf}[op], wide), srcs
     with np.errstate(all="ignore"):
-        for s in srcs[1:]:
+        for s in rest:
             b = s.astype(wide)
             if op == "sum":
                 acc = acc + b
+                if dtype == "float16":  # lax's float16 sum rounds every step
+                    acc = acc.astype(np.float16).astype(wide)
             elif op == "prod":
                 acc = (acc * b) if dtype != "bool" else (acc & b)
             elif np.issubdtype(wide, np.floating):
-                # std::max / std::min: (a < b ? b : a) / (b < a ? b : a); NaN first.
+                # std::max / std::min: (a < b ? b : a) / (b < a ? b : a).
                 better = (acc < b) if op == "max" else (b < acc)
-                acc = np.where(np.isnan(acc), acc, np.where(np.isnan(b), b, np.where(better, b, acc)))
+                acc = np.where(better, b, acc)
             else:
                 acc = (np.maximum if op == "max" else np.minimum)(acc, b)
         return acc.astype(dt)
@@ -138,8 +148,8 @@ def same_bits(got, want, dtype, nan_payloads=True):
 
 
 def exact_nans(op):
-    """Whether variants must agree on NaN payloads too. Max/min pick a NaN
-    operand explicitly (the earlier one): yes. When two NaNs meet in a sum or
+    """Whether variants must agree on NaN payloads too. Max/min never give
+    a NaN (see fold_reference): yes, trivially. When two NaNs meet in a sum or
     product, which payload survives is the hardware's first operand, and the
     compiler may commute an add or multiply (C and IEEE leave the payload
     unspecified): the ASan build's AVX2 code kept the other NaN than its
@@ -237,15 +247,19 @@ def test_half_kernels_on_every_bit_pattern(dtype):
 
 def rank_fold_lax(g, dtype, op):
     """lax's side in rank order: g = all_gather of the ranks' blocks; the same
-    fold as the kernels, each step an XLA elementwise op. Float max/min fold
-    with jnp.maximum/minimum (NaN wins, as in strata): lax.pmax/pmin on
-    XLA:CPU let a NaN lose to a number at some positions (seen with this
-    data), which no kernel here decides."""
-    if op in ("max", "min") and np.issubdtype(np_dtype(dtype), np.integer):
-        return None  # lax.pmax / pmin directly: exact, order does not matter
-    wide = jnp.float32 if dtype in ("float16", "bfloat16") else None
-    step = {"sum": jnp.add, "prod": jnp.multiply, "max": jnp.maximum, "min": jnp.minimum}[op]
+    fold as the kernels, each step an XLA elementwise op, a sum from +0 as
+    XLA:CPU's all-reduce starts it. Max/min: None, meaning lax.pmax/pmin
+    themselves (XLA:CPU folds them from -inf/+inf with std::max/min, so a
+    NaN never wins; the kernels do the same, bit for bit)."""
+    if op in ("max", "min"):
+        return None
+    # bfloat16 widens and rounds once; float16 products too, but float16 sums
+    # round every step (XLA's float16 add), as lax.psum's do.
+    wide = jnp.float32 if dtype == "bfloat16" or (dtype == "float16" and op == "prod") else None
+    step = {"sum": jnp.add, "prod": jnp.multiply}[op]
     acc = g[0].astype(wide) if wide else g[0]
+    if op == "sum" and not np.issubdtype(np_dtype(dtype), np.integer):
+        acc = jnp.zeros_like(acc) + acc
     for k in range(1, g.shape[0]):
         acc = step(acc, g[k].astype(wide) if wide else g[k])
     return acc.astype(g.dtype)

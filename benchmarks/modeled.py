@@ -96,8 +96,15 @@ def collectives_sweep(args) -> Report:
             for size in sizes:
                 next(it, None)
                 row = {"op": op, "npus": n, "size": size, "dtype": args.datatype, "status": "ok"}
+                # as nccl-tests: whole elements (per rank, for the ops that split the input)
+                exact = em.round_bytes(op, size, n, args.datatype)
+                if not exact:
+                    row.update(status="skipped", reason=f"{size} B is less than one {args.datatype} per rank")
+                    report.rows.append(row)
+                    continue
                 try:
                     kw = dict(npus=n, spec=spec, dtype=args.datatype)
+                    size = exact
                     s = em.model(op, size, mode="strata", **kw)
                     b = em.model(op, size, mode="buffer_centric", **kw)
                 except Exception as e:

@@ -8,6 +8,8 @@ links, HBM and lanes. No host execution: any size, up to the preset's NPUs.
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +28,50 @@ DTYPE_SIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1
 REDUCE_CODE = {"sum": 0, "max": 1, "min": 2, "prod": 3, "mean": 0}
 MODES = ("strata", "buffer_centric")
 _PLANNER_CODE = {"balanced": 0, "naive": 1}
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE_MULT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(size, what: str = "size") -> int:
+    """A byte count as the benchmarks' CLI takes it: an int, or a string with an optional
+    binary suffix ("4096", "4K", "1.5M", "4MiB", "1GB": K/M/G/T are powers of 1024, as in
+    nccl-tests). A fraction of a byte is an error, not a silent rounding."""
+    if isinstance(size, (bool, np.bool_)):
+        raise TypeError(f"{what} must be a byte count (int or a string like '4M'), got {size!r}")
+    if isinstance(size, (int, np.integer)):
+        return int(size)
+    if isinstance(size, str):
+        m = _SIZE_RE.match(size)
+        if not m:
+            raise ValueError(f"{what} {size!r} is not a size: use a number with an optional K, M, G or T "
+                             f"suffix (binary: 4K = 4096), e.g. '4M'")
+        value = float(m.group(1)) * _SIZE_MULT[m.group(2).lower()]
+        if value != int(value):
+            raise ValueError(f"{what} {size!r} is not a whole number of bytes ({value:g})")
+        return int(value)
+    raise TypeError(f"{what} must be a byte count (int or a string like '4M'), got {type(size).__name__} {size!r}")
+
+
+def format_bytes(nbytes: float) -> str:
+    """4096 -> '4K', 1572864 -> '1.5M', 4000 -> '4000B': exact, in the largest binary unit
+    that shows it with at most one decimal."""
+    nbytes = int(nbytes)
+    for unit, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= mult and nbytes * 10 % mult == 0:
+            return f"{nbytes // mult}{unit}" if nbytes % mult == 0 else f"{nbytes / mult:.1f}{unit}"
+    return f"{nbytes}B"
+
+
+def round_bytes(op: str, bytes_per_rank, npus: int, dtype: str = "float32") -> int:
+    """The size `model` times for `bytes_per_rank` (an int or "4M"): whole elements of `dtype`,
+    and for reduce_scatter / all_to_all a whole element per rank; 0 when less than that.
+    Sweeps call it to pick valid sizes without model's rounding warning."""
+    item = DTYPE_SIZE[dtype]
+    unit = item * (int(npus) if op in ("reduce_scatter", "all_to_all") else 1)
+    nbytes = parse_bytes(bytes_per_rank, "bytes_per_rank")
+    return max(0, nbytes - nbytes % unit)
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -58,6 +104,32 @@ class ModeledOp:
     slices: np.ndarray | None = field(default=None, repr=False)  # rank, kind, lane, phase, start, end, bytes
     phase_kinds: list | None = field(default=None, repr=False)
     lanes: str = "core"      # the kind of lane that moved the data: "core" or "sdma" (the runtime's rule)
+
+    def __repr__(self) -> str:
+        return (f"ModeledOp({self.op}, {format_bytes(self.bytes_per_rank)} per rank on {self.npus} NPUs of "
+                f"{self.spec}, mode={self.mode}: {self.time_us:.3g} us, busbw {self.busbw_gbps:.3g} GB/s)")
+
+    def table(self) -> list[dict]:
+        """Where the time goes, as rows {"part", "us"} (the nonzero parts of `breakdown`)."""
+        return [{"part": k.removesuffix("_us"), "us": v} for k, v in self.breakdown.items() if v]
+
+    def summary(self) -> str:
+        """A few lines: the op, its bandwidths, the bound, where the time goes, the lanes."""
+        lines = [repr(self),
+                 f"  algbw {self.algbw_gbps:.4g} GB/s, busbw {self.busbw_gbps:.4g} GB/s; "
+                 f"alpha-beta bound of its UB traffic {self.lower_bound_us:.3g} us; moved by {self.lanes} lanes; "
+                 f"fits one NPU's HBM: {'yes' if self.fits_hbm else 'NO'}"]
+        parts = self.table()
+        if parts:
+            lines.append("  " + ", ".join(f"{r['part']} {r['us']:.3g} us" for r in parts))
+        busy = {k: max(v) for k, v in self.lane_busy_us.items() if v}
+        if busy:
+            lines.append("  busiest lane of the busiest rank: "
+                         + ", ".join(f"{k} {v:.3g} us" for k, v in busy.items()))
+        for k in ("capacity", "accepted_pairs", "dropped_pairs"):
+            if k in self.settings:
+                lines.append(f"  {k.replace('_', ' ')}: {self.settings[k]}")
+        return "\n".join(lines)
 
 
 def _settings(planner, cores_per_npu, sdma_engines_per_npu, comm_buffer_bytes) -> dict:
@@ -111,7 +183,11 @@ def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: st
 
     Collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`,
     `broadcast`, `ppermute`): `bytes_per_rank` is the input per rank (the
-    `size (B)` column of `python -m benchmarks collectives`); op_args: `redop=`
+    `size (B)` column of `python -m benchmarks collectives`), an int or a
+    size like "4M" (binary units, as the CLI's -b/-e); a size that is not a
+    whole number of elements (of blocks, for reduce_scatter and all_to_all)
+    is rounded down with a warning, one that rounds to zero is an error;
+    op_args: `redop=`
     (sum, max, min, prod), `root=`, `perm=` (pairs; default a ring), `rows=`.
     MoE (`moe_dispatch`, `moe_combine`, `moe_combine_backward`): op_args
     `tokens=`, `hidden=`, `top_k=`, `num_experts=`, optionally `topk_idx=`
@@ -147,8 +223,12 @@ def _model_collective(op, bytes_per_rank, n, mode, sp, dtype, settings, keep_sli
                       redop: str = "sum", root: int = 0, perm=None, rows: int = 1, **extra):
     if extra:
         raise TypeError(f"strata.emulator.model({op!r}): unknown arguments {sorted(extra)}")
-    if bytes_per_rank is None or not isinstance(bytes_per_rank, (int, np.integer)) or bytes_per_rank < 0:
-        raise ValueError(f"strata.emulator.model({op!r}): bytes_per_rank must be a non-negative int, got {bytes_per_rank!r}")
+    name = f"strata.emulator.model({op!r})"
+    if bytes_per_rank is None:
+        raise TypeError(f"{name}: give bytes_per_rank (an int or a size like '4M')")
+    asked = parse_bytes(bytes_per_rank, f"{name}: bytes_per_rank")
+    if asked < 0:
+        raise ValueError(f"{name}: bytes_per_rank must be >= 0, got {bytes_per_rank!r}")
     itemsize = DTYPE_SIZE[dtype]
     reduces = op in ("all_reduce", "reduce_scatter")
     if reduces:
@@ -158,13 +238,19 @@ def _model_collective(op, bytes_per_rank, n, mode, sp, dtype, settings, keep_sli
             raise TypeError(f"strata.emulator.model({op!r}): bool cannot be reduced")
     if op == "broadcast" and not 0 <= root < n:
         raise ValueError(f"strata.emulator.model('broadcast'): root {root} is outside 0..{n - 1}")
-    count = int(bytes_per_rank) // itemsize
-    if op in ("reduce_scatter", "all_to_all"):  # the input splits into n blocks
-        count = max(n, count - count % n) if count else 0
-        block = count // n * itemsize
-    else:
-        block = count * itemsize
+    count = asked // itemsize
+    split = op in ("reduce_scatter", "all_to_all")  # the input splits into n equal blocks
+    if split:
+        count -= count % n
+    if asked and not count:
+        unit = f"{n} elements of {dtype} ({n * itemsize} B), one per rank" if split else f"one {dtype} element ({itemsize} B)"
+        raise ValueError(f"{name}: bytes_per_rank={bytes_per_rank!r} rounds to zero: the op moves at least {unit}")
+    block = count // n * itemsize if split else count * itemsize
     nbytes = count * itemsize
+    if nbytes != asked:
+        why = f"a multiple of {n} {dtype} elements (one block per rank)" if split else f"whole {dtype} elements"
+        warnings.warn(f"{name}: bytes_per_rank={bytes_per_rank!r} rounded down to {nbytes} B ({format_bytes(nbytes)}), "
+                      f"{why}", stacklevel=3)
     flat_perm: list[int] = []
     if op == "ppermute":
         pairs = [(i, (i + 1) % n) for i in range(n)] if perm is None else [tuple(map(int, p)) for p in perm]

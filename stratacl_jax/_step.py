@@ -83,6 +83,12 @@ class ModeledStep:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
 
+    def table(self) -> list[dict]:
+        """The step's ops as rows (name, kind, unit, start_us, end_us, us), in start order."""
+        return sorted(({"name": o["name"], "kind": o["kind"], "unit": o["unit"], "start_us": o["start_us"],
+                        "end_us": o["end_us"], "us": o["end_us"] - o["start_us"]} for o in self.ops),
+                      key=lambda r: r["start_us"])
+
     def save_trace(self, path: str, npus: int = 1) -> str:
         """A Chrome/Perfetto trace (open it in ui.perfetto.dev): per NPU, tracks
         for the cube units, vector kernels, collectives on vector cores, SDMA

@@ -15,6 +15,7 @@ it ran with (per lane, one slice per phase: first piece to last).
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from collections import defaultdict
@@ -24,7 +25,7 @@ import numpy as np
 
 from . import _core
 from . import _multiprocess
-from ._model import COLLECTIVES, DTYPE_CODE, MODES, model
+from ._model import COLLECTIVES, DTYPE_CODE, MODES, format_bytes, model
 
 _DTYPE_NAME = {v: k for k, v in DTYPE_CODE.items()}
 _REDUCE_NAME = {0: "sum", 1: "max", 2: "min", 3: "prod", 4: "none"}
@@ -32,6 +33,36 @@ _MOE_NAME = {1: "moe_dispatch", 2: "moe_combine", 3: "moe_combine_backward"}
 _PHASE_NAME = {0: "exchange", 1: "stage in", 2: "stage out"}
 _active_lock = threading.Lock()
 _active: list["Trace"] = []
+
+_exit_hook_registered = False
+
+
+def _register_exit_hook() -> None:
+    """A trace left recording (trace() without `with` or stop()) is not lost silently: at exit
+    it is stopped and written, with a warning saying how to do it explicitly."""
+    global _exit_hook_registered
+    if _exit_hook_registered:
+        return
+    import atexit
+
+    def stop_forgotten():
+        with _active_lock:
+            left = list(_active)
+        for tr in left:
+            import warnings
+
+            warnings.warn(f"strata.emulator.trace({tr.path!r}) was still recording at exit: stopping it"
+                          + (" and writing it" if tr.path else "") + "; use `with` or call tr.stop()",
+                          RuntimeWarning, stacklevel=1)
+            try:
+                tr.stop()
+            except Exception as e:  # the runtime may already be gone; say so, do not crash exit
+                warnings.warn(f"strata.emulator.trace({tr.path!r}): could not stop it at exit: {e}",
+                              RuntimeWarning, stacklevel=1)
+
+    atexit.register(stop_forgotten)
+    _exit_hook_registered = True
+
 
 def _process() -> int:
     return jax_process_index() if _multiprocess.process_count() > 1 else 0
@@ -96,10 +127,22 @@ class OpRecord:
         """How long the first rank in waited for the last one."""
         return max(self.arrive_us) - min(self.arrive_us)
 
+    def __repr__(self) -> str:
+        modeled = self.modeled_us.get(self.mode)
+        m = f"modeled {modeled:.3g} us" if modeled is not None and modeled == modeled else "not modeled"
+        return (f"OpRecord({self.op}, {self.group_size} ranks, {format_bytes(self.bytes_per_rank)} per rank "
+                f"{self.dtype}, mode={self.mode}: host {self.host_us:.1f} us (first rank waited "
+                f"{self.wait_us:.1f} us for rank {self.last_to_arrive}), {m}{'' if self.ok else ', FAILED'})")
+
 
 def trace(path: str | None = None, spec="cloudmatrix384") -> "Trace":
-    """``with strata.emulator.trace(path) as tr:`` records every strata op run inside."""
-    return Trace(path, spec)
+    """Records every strata op run from now on; ``with strata.emulator.trace(path) as tr:``
+    stops at the end of the block and writes `path`. Without ``with``, call ``tr.stop()``
+    (which writes `path`); a trace still recording when the interpreter exits is stopped and
+    written then, with a warning."""
+    tr = Trace(path, spec)
+    tr.start()
+    return tr
 
 
 class Trace:
@@ -113,6 +156,10 @@ class Trace:
         self._t0 = 0.0
         self._model_cache: dict = {}
         self.steps: list = []  # ModeledSteps added by simulate(), drawn beside the ops
+        # The modeled view's time scale in the saved trace: None picks a power of ten that
+        # gives it about the host view's span; 1 keeps modeled time as is.
+        self.modeled_time_scale: float | None = None
+        self.last_modeled_scale = 1.0
 
     def simulate(self, fn, *args, mode: str = "strata", **settings):
         """The step model of `fn(*args)` (strata.emulator.simulate on this
@@ -124,19 +171,34 @@ class Trace:
         self.steps.append(step)
         return step
 
-    def __enter__(self) -> "Trace":
+    @property
+    def recording(self) -> bool:
         with _active_lock:
+            return self in _active
+
+    def start(self) -> "Trace":
+        """Starts recording (trace() calls it; `with` calls it unless already started)."""
+        with _active_lock:
+            if self in _active:
+                return self
             if _active:
-                raise RuntimeError("strata.emulator.trace: a trace is already recording (they do not nest)")
+                raise RuntimeError("strata.emulator.trace: a trace is already recording (they do not nest); "
+                                   "stop it first (tr.stop(), or end its `with` block)")
             _active.append(self)
+        _register_exit_hook()
         _core.trace_take()  # drop records of ops that ended before this trace
         self._t0 = _core.trace_now_us()
         _core.trace_enable(True)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self, save: bool = True) -> "Trace":
+        """Stops recording, collects the records and (if a path was given and `save`) writes
+        the trace. Stopping a trace that is not recording does nothing."""
         import jax
 
+        with _active_lock:
+            if self not in _active:
+                return self
         try:
             jax.effects_barrier()
         finally:
@@ -144,8 +206,19 @@ class Trace:
             with _active_lock:
                 _active.remove(self)
         self._collect()
-        if self.path and exc[0] is None:
+        if self.path and save:
             self.save(self.path)
+        return self
+
+    def __enter__(self) -> "Trace":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(save=exc[0] is None)
+
+    def __repr__(self) -> str:
+        state = "recording" if self.recording else f"{len(self.ops)} ops"
+        return f"Trace({self.path or 'not saved'}, {state}, modeled on {self.spec.name})"
 
     # ---------------------------------------------------------------- records
     def _collect(self) -> None:
@@ -281,17 +354,13 @@ class Trace:
         for tid, name in sorted(host_tid.items()):
             meta(HOST_PID, tid, "thread_name", name)
 
-        # Modeled view: every device is an NPU of the preset.
+        # Modeled view: every device is an NPU of the preset. Its ops take microseconds where
+        # the host's take milliseconds, so on one time axis it would be a sliver at 0: its
+        # time is scaled by a power of ten that gives it about the host view's span, and
+        # every process name says so (the slices' args keep the true modeled_us).
         cores = max([o.params["cores"] for o in self.ops] or [1])
         engines = max([o.params["engines"] for o in self.ops] or [1])
-        for d in devices:
-            pid = MODEL_PID_BASE + d
-            meta(pid, 0, "process_name", f"{npu_name(d)} (modeled on {self.spec.name})")
-            meta(pid, 0, "thread_name", "ops")
-            for c in range(cores):
-                meta(pid, 1 + c, "thread_name", f"vector core {c}")
-            for s in range(engines):
-                meta(pid, 1 + cores + s, "thread_name", f"SDMA engine {s}")
+        placed = []
         free = defaultdict(float)  # device -> modeled time it is next free
         for o in self.ops:
             try:
@@ -299,18 +368,40 @@ class Trace:
             except Exception:
                 continue
             start = max(free[d] for d in o.devices)
-            for rank, d in enumerate(o.devices):
+            for d in o.devices:
                 free[d] = start + res.time_us
-                ev.append({"ph": "X", "name": o.op, "pid": MODEL_PID_BASE + d, "tid": 0, "ts": start,
-                           "dur": res.time_us, "args": {"mode": o.mode, "bytes_per_rank": o.bytes_per_rank,
-                                                        "busbw_gbps": res.busbw_gbps, **res.breakdown}})
-            ev.extend(self._lane_slices(res, o, start, cores))
+            placed.append((o, res, start))
+        host_span = max([max(o.end_us) for o in self.ops] or [0.0])
+        model_span = max(free.values() or [0.0])
+        scale = self.modeled_time_scale
+        if scale is None:
+            ratio = host_span / model_span if model_span > 0 else 1.0
+            scale = 10.0 ** math.floor(math.log10(ratio)) if ratio >= 10 else 1.0
+        self.last_modeled_scale = scale
+        shown = (f"time x{scale:g}: 1 ms on the axis is {1e3 / scale:g} us modeled" if scale != 1
+                 else "time as modeled")
+        for d in devices:
+            pid = MODEL_PID_BASE + d
+            meta(pid, 0, "process_name", f"{npu_name(d)} (modeled on {self.spec.name}; {shown})")
+            meta(pid, 0, "thread_name", "ops")
+            for c in range(cores):
+                meta(pid, 1 + c, "thread_name", f"vector core {c}")
+            for s in range(engines):
+                meta(pid, 1 + cores + s, "thread_name", f"SDMA engine {s}")
+        for o, res, start in placed:
+            for d in o.devices:
+                ev.append({"ph": "X", "name": o.op, "pid": MODEL_PID_BASE + d, "tid": 0, "ts": start * scale,
+                           "dur": res.time_us * scale,
+                           "args": {"mode": o.mode, "bytes_per_rank": o.bytes_per_rank, "modeled_us": res.time_us,
+                                    "modeled_start_us": start, "time_scale": scale,
+                                    "busbw_gbps": res.busbw_gbps, **res.breakdown}})
+            ev.extend(self._lane_slices(res, o, start, cores, scale))
         for k, step in enumerate(self.steps):  # whole steps: compute and communication
             ev.extend(step.trace_events(pid_base=STEP_PID_BASE + 100 * k, label=f"step {k}: "))
         return ev
 
     @staticmethod
-    def _lane_slices(res, o: OpRecord, start: float, cores: int) -> list[dict]:
+    def _lane_slices(res, o: OpRecord, start: float, cores: int, scale: float = 1.0) -> list[dict]:
         """One slice per (rank, lane, phase): its first piece to its last."""
         s = res.slices
         if s is None or not len(s):
@@ -330,14 +421,17 @@ class Trace:
             r, k, l, ph = int(rank[i]), int(kind[i]), int(lane[i]), int(phase[i])
             name = _PHASE_NAME.get(kinds[ph] if ph < len(kinds) else 0, "exchange")
             out.append({"ph": "X", "name": f"{o.op} {name}", "pid": MODEL_PID_BASE + o.devices[r],
-                        "tid": 1 + l if k == 0 else 1 + cores + l, "ts": start + float(t0[j]),
-                        "dur": float(t1[j] - t0[j]),
-                        "args": {"pieces": int(count[j]), "bytes": int(nbytes[j])}})
+                        "tid": 1 + l if k == 0 else 1 + cores + l, "ts": (start + float(t0[j])) * scale,
+                        "dur": float(t1[j] - t0[j]) * scale,
+                        "args": {"pieces": int(count[j]), "bytes": int(nbytes[j]),
+                                 "modeled_us": float(t1[j] - t0[j])}})
         return out
 
     def to_json(self) -> dict:
-        return {"traceEvents": self.events(), "displayTimeUnit": "ns",
-                "otherData": {"spec": self.spec.name, "ops": len(self.ops)}}
+        events = self.events()
+        return {"traceEvents": events, "displayTimeUnit": "ns",
+                "otherData": {"spec": self.spec.name, "ops": len(self.ops),
+                              "modeled_time_scale": self.last_modeled_scale}}
 
     def save(self, path: str) -> str:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

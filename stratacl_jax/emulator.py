@@ -280,6 +280,6 @@ def make_mesh(shape, axis_names, *, devices=None) -> Mesh:
     return mesh
 
 
-from ._model import ModeledOp, model  # noqa: E402
+from ._model import ModeledOp, model, parse_bytes, round_bytes  # noqa: E402
 from ._trace import Trace, trace  # noqa: E402
 from ._step import ModeledStep, abstract_mesh, fused, simulate  # noqa: E402

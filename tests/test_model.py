@@ -135,7 +135,8 @@ def test_many_small_messages_cost_their_issue_time():
         assert r["message_us"] == pytest.approx((k + 1) * o, rel=1e-9)
     # The same bytes per rank in more, smaller messages: the busiest lane
     # issues more of them (all_to_all: one per source and destination).
-    msgs = [model("all_to_all", 256 << 10, npus=n).breakdown["message_us"] for n in (8, 32, 384)]
+    msgs = [model("all_to_all", whole_blocks("all_to_all", 256 << 10, n), npus=n).breakdown["message_us"]
+            for n in (8, 32, 384)]
     assert msgs == sorted(msgs) and msgs[-1] > 4 * msgs[0]
 
 
@@ -243,10 +244,18 @@ def test_time_is_monotone_in_size_on_a_fine_sweep(op, mode):
         assert b >= a - tol and b >= 0.88 * a, (op, mode, s0, s1, a, b)
 
 
+def whole_blocks(op, size, npus, itemsize=4):
+    """`size` rounded down as the model rounds it (no warning): whole elements, and for
+    reduce_scatter / all_to_all a whole element per rank."""
+    unit = itemsize * (npus if op in ("reduce_scatter", "all_to_all") else 1)
+    return size - size % unit
+
+
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("npus", [8, 32, 384])
 def test_no_op_beats_the_alpha_beta_bound(op, npus):
     for size in (4096, 1 << 20) + ((64 << 20,) if npus < 384 else ()):
+        size = whole_blocks(op, size, npus)
         for mode in ("strata", "buffer_centric"):
             r = model(op, size, npus=npus, mode=mode)
             # busbw is the per-rank share of the op's minimal traffic
@@ -261,6 +270,9 @@ def test_no_op_beats_the_alpha_beta_bound(op, npus):
 @pytest.mark.parametrize("npus", [8, 32, 384])
 def test_strata_is_never_slower_than_buffer_centric(op, npus):
     for size in [1 << k for k in range(10, 29 if npus < 384 else 23, 3)]:
+        size = whole_blocks(op, size, npus)
+        if not size:
+            continue
         s = model(op, size, npus=npus).time_us
         b = model(op, size, npus=npus, mode="buffer_centric").time_us
         assert s <= b, (op, size, s, b)
@@ -327,7 +339,7 @@ def test_die_ranks_use_the_die_path():
 
 def test_all_to_all_on_384_npus_at_1gb_is_fast():
     t = time.perf_counter()
-    r = model("all_to_all", 1 << 30, npus=384)
+    r = model("all_to_all", whole_blocks("all_to_all", 1 << 30, 384), npus=384)
     took = time.perf_counter() - t
     assert r.busbw_gbps > 100
     assert took < 5.0  # ~0.2 s when the machine is idle
@@ -343,14 +355,53 @@ def test_odd_tiny_and_empty_sizes_in_every_dtype(op, dtype):
     item = np.dtype(dtype if dtype != "bfloat16" else "float16").itemsize
     empty = model(op, 0, npus=8, dtype=dtype)
     assert empty.time_us == 0 and empty.busbw_gbps == 0
-    odd = model(op, 1_000_003, npus=8, dtype=dtype)
     count = 1_000_003 // item
     if op in ("reduce_scatter", "all_to_all"):
         count -= count % 8
+    if count * item != 1_000_003:  # a size that is not whole elements (blocks) is rounded, aloud
+        with pytest.warns(UserWarning, match=f"rounded down to {count * item} B"):
+            odd = model(op, 1_000_003, npus=8, dtype=dtype)
+    else:
+        odd = model(op, 1_000_003, npus=8, dtype=dtype)
     assert odd.bytes_per_rank == count * item
     assert odd.time_us > model(op, 4096, npus=8, dtype=dtype).time_us > 0
-    one = model(op, item, npus=3, dtype=dtype)  # one element, 3 ranks (rs/a2a: one per rank)
+    split = op in ("reduce_scatter", "all_to_all")
+    one = model(op, item * (3 if split else 1), npus=3, dtype=dtype)  # one element (per rank)
     assert one.time_us > 0
+    if split:  # less than one element per rank rounds to nothing: an error, not 0 us
+        with pytest.raises(ValueError, match="rounds to zero"):
+            model(op, item, npus=3, dtype=dtype)
+
+
+def test_sizes_as_the_cli_writes_them():
+    assert model("all_reduce", "4M").bytes_per_rank == 4 << 20
+    assert model("all_gather", "1.5K", dtype="bfloat16").bytes_per_rank == 1536
+    assert model("all_reduce", "4MiB").bytes_per_rank == model("all_reduce", "4mb").bytes_per_rank == 4 << 20
+    for bad in ("4Q", "", "-1K", "1.3", "M"):
+        with pytest.raises(ValueError, match="all_reduce"):
+            model("all_reduce", bad)
+    with pytest.raises(TypeError, match="bytes_per_rank"):
+        model("all_reduce", 4.0e6)
+    with pytest.raises(ValueError, match="rounds to zero"):
+        model("all_reduce", 3, npus=8)  # less than one float32: not 0 us without a word
+    with pytest.warns(UserWarning, match="rounded down to 1073740800 B"):
+        model("reduce_scatter", "1G", npus=384)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model("reduce_scatter", 384 * 4 * 1000, npus=384)  # whole blocks: no warning
+
+
+def test_modeled_op_prints_as_one_line_with_a_summary_for_more():
+    r = model("all_reduce", "4M", npus=8)
+    text = repr(r)
+    assert "\n" not in text and len(text) < 160, text
+    assert "all_reduce" in text and "4M" in text and "8 NPUs" in text and f"{r.time_us:.3g} us" in text
+    summary = r.summary()
+    assert summary.splitlines()[0] == text and len(summary.splitlines()) >= 3
+    parts = r.table()
+    assert parts and all(row["us"] for row in parts)
+    assert {row["part"] for row in parts} <= {k.removesuffix("_us") for k in r.breakdown}
 
 
 # ---------------------------------------------------------------------- MoE

@@ -226,6 +226,9 @@ def test_summary_repr_and_trace_read_well(tmp_path):
     assert "\n" not in repr(r) and "ModeledStep(" in repr(r)
     text = r.summary()
     assert len(text.splitlines()) < 40 and "critical path" in text
+    rows = r.table()
+    assert len(rows) == len(r.ops) and [x["start_us"] for x in rows] == sorted(x["start_us"] for x in rows)
+    assert all(x["us"] == x["end_us"] - x["start_us"] >= 0 for x in rows)
     path = r.save_trace(str(tmp_path / "step.json"), npus=2)
     events = json.load(open(path))["traceEvents"]
     names = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}

@@ -43,7 +43,8 @@ cp "$build"/stratacl_jax/_core*.so "$shadow/"
 # whatever PYTHONPATH says; drop it so the shadow package is the one found.
 cat > "$build/pythonpath/sitecustomize.py" <<'PY'
 import sys
-sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "ScikitBuildInplaceFinder"]
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if type(f).__name__ not in ("ScikitBuildInplaceFinder", "ScikitBuildRedirectingFinder")]
 PY
 echo "sanitize: $kind build ready in $(( $(date +%s) - start )) s"
 

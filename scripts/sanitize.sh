@@ -42,9 +42,28 @@ cp "$build"/stratacl_jax/_core*.so "$shadow/"
 # The editable install's import hook resolves stratacl_jax to the source tree
 # whatever PYTHONPATH says; drop it so the shadow package is the one found.
 cat > "$build/pythonpath/sitecustomize.py" <<'PY'
+# Every process of the sanitized run (pytest, and the children tests start from any working
+# directory, e.g. `python -m benchmarks` from the checkout) imports stratacl_jax from this
+# shadow package with the sanitized extension: not through the editable install's finder,
+# and not from a checkout on sys.path.
+import importlib.machinery
+import os
 import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
 sys.meta_path[:] = [f for f in sys.meta_path
                     if type(f).__name__ not in ("ScikitBuildInplaceFinder", "ScikitBuildRedirectingFinder")]
+
+
+class _ShadowFinder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "stratacl_jax":
+            return importlib.machinery.PathFinder.find_spec(name, [_here])
+        return None
+
+
+sys.meta_path.insert(0, _ShadowFinder())
 PY
 echo "sanitize: $kind build ready in $(( $(date +%s) - start )) s"
 

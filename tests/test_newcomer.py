@@ -71,7 +71,7 @@ def test_trace_left_recording_is_written_at_exit_with_a_warning(tmp_path):
         jax.block_until_ready(f(x))
         print("ran", flush=True)
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ran" in r.stdout
     assert "still recording at exit" in r.stderr and "tr.stop()" in r.stderr, r.stderr[-2000:]

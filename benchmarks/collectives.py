@@ -810,9 +810,13 @@ def _compact_table(rows, variants, n, shape, dtype) -> str:
     if sp:
         noisy = sum(1 for r in rows if r.get("speedup") and r["mode"] == main_mode
                     and r.get("speedup_within_noise"))
-        footer.append(f"speedup vs lax: geomean {math.exp(np.mean(np.log(sp))):.2f}x, "
-                      f"min {min(sp):.2f}x, max {max(sp):.2f}x"
-                      + (f" ({noisy} of {len(sp)} sizes within noise: ≈1)" if noisy else ""))
+        clear = [r["speedup"] for r in rows if r.get("speedup") and r["mode"] == main_mode
+                 and not r.get("speedup_within_noise")]
+        footer.append(f"speedup vs lax: geomean {math.exp(np.mean(np.log(sp))):.2f}x over "
+                      f"{len(sp)} sizes"
+                      + (f"; {noisy} within noise (≈1)" if noisy else "")
+                      + (f"; the others {min(clear):.2f}x to {max(clear):.2f}x" if clear and noisy
+                         else (f", {min(clear):.2f}x to {max(clear):.2f}x" if clear else "")))
     launches = [r.get("launch_us") for r in rows if r.get("launch_us")]
     if launches:
         footer.append(f"launch of an empty program on this mesh: {min(launches):.0f}-"
@@ -929,43 +933,63 @@ def _table(rows, impl, mode, with_peer, n, shape, dtype) -> str:
 # Plot
 
 
+def _series_key(impl, mode) -> str:
+    return "lax" if impl == "lax" else ("strata" if mode == "strata" else mode)
+
+
 def plot(report: Report, path: str) -> None:
+    """busbw vs size per op: lax, strata (each mode and input), and the floor as a busbw ceiling
+    (no correct op can be above it). Colours and labels from style.SERIES; a size where a
+    variant has no value (failed, skipped) is a hollow marker at the axis bottom."""
     if report.params.get("model_only"):
         return modeled.plot_collectives(report, path)
     plt = common.pyplot()
     if report.params.get("processes"):
         return  # the multi-process table has no plot
-    rows = [r for r in report.rows if r["status"] == "ok"]
-    ops = [o for o in report.params["ops"] if any(r["op"] == o for r in rows)]
+    p = report.params
+    dtype0 = (p.get("dtypes") or [p["dtype"]])[0]
+    redop0 = (p.get("redops") or [p.get("redop")])[0]
+    rows = [r for r in report.rows if r.get("dtype") == dtype0
+            and r.get("redop") in (redop0, "none")]
+    ops = [o for o in p["ops"] if any(r["op"] == o and r["status"] == "ok" for r in rows)]
     if not ops:
         return
     cols = min(3, len(ops))
     nrow = -(-len(ops) // cols)
     fig, axes = plt.subplots(nrow, cols, figsize=(5 * cols, 3.8 * nrow), squeeze=False)
+    missing_any = False
     for a, op in zip(axes.flat, ops):
         rs = [r for r in rows if r["op"] == op]
-        order = ["lax"] + list(report.params["modes"]) + [ARENA]
+        sizes = sorted({r["size"] for r in rs})
+        order = ["lax"] + list(p["modes"]) + [ARENA]
         keys = sorted({(r["impl"], r["mode"]) for r in rs},
                       key=lambda kk: order.index(kk[1] if kk[0] == "strata" else "lax"))
         for impl, mode in keys:
-            pts = sorted((r["size"], r["busbw"]) for r in rs
-                         if r["impl"] == impl and r["mode"] == mode)
-            label = "lax" if impl == "lax" else f"strata ({mode})"
-            a.plot(*zip(*pts), marker="o", label=label)
-        fl = sorted({(r["size"], r["s_bytes"] * r["bus_factor"] / r["floor_us"] / 1e3)
-                     for r in rs})
-        a.plot(*zip(*fl), ls="--", color="gray", label="memory floor")
-        a.set_xscale("log", base=2)
+            by = {r["size"]: r for r in rs if r["impl"] == impl and r["mode"] == mode}
+            ys = [by[s_].get("busbw") if s_ in by and by[s_]["status"] == "ok" else None
+                  for s_ in sizes]
+            missing_any |= common.log_plot(a, sizes, ys, key=_series_key(impl, mode)) > 0
+        fl = {}
+        for r in rs:
+            if r.get("floor_us"):
+                fl[r["size"]] = r["s_bytes"] * r["bus_factor"] / r["floor_us"] / 1e3
+        if fl:
+            a.plot(list(fl), list(fl.values()), ls="--", color=style.SERIES["floor"][1],
+                   label="floor (busbw no op can exceed)")
         a.set_yscale("log")
+        style.size_axis(a, sizes)
         a.set_title(op)
-        a.set_xlabel("bytes per rank")
         a.set_ylabel("busbw (GB/s)")
         a.grid(True, which="both", alpha=0.3)
-        a.legend(fontsize=8)
+        a.legend(fontsize=7)
     for a in list(axes.flat)[len(ops):]:
         a.axis("off")
-    p = report.params
-    fig.suptitle(f"collectives, {p['npus']} emulated NPUs, {p['dtype']}")
+    more = ""
+    if len(p.get("dtypes") or []) > 1 or len(p.get("redops") or []) > 1:
+        more = " (first of -d/-o only; every combination is in the JSON)"
+    note = "; v at the bottom = no value (failed or skipped)" if missing_any else ""
+    fig.suptitle(f"collectives, {p['npus']} emulated NPUs, {dtype0}"
+                 f"{' ' + redop0 if redop0 else ''}{more}{note}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

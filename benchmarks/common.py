@@ -132,8 +132,12 @@ def list_arg(allowed: Sequence[str], what: str, aliases: dict | None = None):
         items = [t.strip() for t in str(text).split(",") if t.strip()]
         bad = [t for t in items if t != "all" and t not in allowed and t not in (aliases or {})]
         if bad or not items or ("all" in items and len(items) > 1):
+            import difflib
+
+            near = [m for t in bad for m in difflib.get_close_matches(t, allowed, 1)]
             raise argparse.ArgumentTypeError(
-                f"unknown {what} {', '.join(bad) or repr(text)}: choose from "
+                f"unknown {what} {', '.join(bad) or repr(text)}"
+                f"{' (did you mean ' + ', '.join(near) + '?)' if near else ''}: choose from "
                 f"{', '.join(allowed)}, a comma list of them, or all")
         return text
 

@@ -806,6 +806,13 @@ def _compact_table(rows, variants, n, shape, dtype) -> str:
              f"  (strata{' vs lax ' + '/'.join(lax_impls) if lax_impls else ''})")
     footer = [f"#wrong (every variant): {wrong_total} {'OK' if not wrong_total else 'FAILED'}"
               + (f"; checked {len(ok)} rows" if ok else "")]
+    avg_bw = []
+    for impl, mode, name in (("strata", main_mode, "strata"), ("lax", None, "lax")):
+        bws = [r["busbw"] for r in ok if r["impl"] == impl and r["mode"] == mode]
+        if bws:
+            avg_bw.append(f"{name} {sum(bws) / len(bws):.3g} GB/s")
+    if avg_bw:
+        footer.append("Avg bus bandwidth: " + ", ".join(avg_bw))
     sp = [r["speedup"] for r in rows if r.get("speedup") and r["mode"] == main_mode]
     if sp:
         noisy = sum(1 for r in rows if r.get("speedup") and r["mode"] == main_mode

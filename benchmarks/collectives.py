@@ -894,6 +894,8 @@ def _table(rows, impl, mode, with_peer, n, shape, dtype) -> str:
         if r["status"] != "ok":
             t["_note"] = f"{r['status']}: {r['reason']}"
         t["t_cell"] = common.fmt_time(r.get("time_us"), r.get("spread_us"))
+        if r.get("root", -1) < 0:
+            t["root"] = ""  # no root: not a negative number
         if with_peer:
             p = peers.get(r["size"], {})
             if p.get("status") == "ok":

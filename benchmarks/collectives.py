@@ -819,11 +819,18 @@ def _compact_table(rows, variants, n, shape, dtype) -> str:
                     and r.get("speedup_within_noise"))
         clear = [r["speedup"] for r in rows if r.get("speedup") and r["mode"] == main_mode
                  and not r.get("speedup_within_noise")]
-        footer.append(f"speedup vs lax: geomean {math.exp(np.mean(np.log(sp))):.2f}x over "
-                      f"{len(sp)} sizes"
-                      + (f"; {noisy} within noise (≈1)" if noisy else "")
-                      + (f"; the others {min(clear):.2f}x to {max(clear):.2f}x" if clear and noisy
-                         else (f", {min(clear):.2f}x to {max(clear):.2f}x" if clear else "")))
+        span = ""
+        if clear:
+            span = f"{min(clear):.2f}x" if len(clear) == 1 else \
+                f"{min(clear):.2f}x to {max(clear):.2f}x"
+        if not clear:
+            footer.append(f"speedup vs lax: ≈1 at all {len(sp)} sizes (every difference within "
+                          f"noise)")
+        else:
+            footer.append(f"speedup vs lax: geomean {math.exp(np.mean(np.log(sp))):.2f}x over "
+                          f"{len(sp)} sizes"
+                          + (f"; {noisy} within noise (≈1), the others {span}" if noisy
+                             else f", {span}"))
     launches = [r.get("launch_us") for r in rows if r.get("launch_us")]
     if launches:
         footer.append(f"launch of an empty program on this mesh: {min(launches):.0f}-"

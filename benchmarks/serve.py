@@ -106,6 +106,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "stream, so 2 is slower in it: docs/step_model.md)")
     add_model_args(p)
     common.add_output_args(p)
+    common.one_line_errors(p)
 
 
 def spec_for(args):

@@ -97,6 +97,100 @@ def impls_from_arg(text: str) -> list[str]:
     return split_list(text, ("strata", "lax"), "--impl")
 
 
+# argparse types: a bad value is one line on stderr and exit status 2, never a traceback.
+
+
+def size_arg(text: str) -> int:
+    """argparse type of -b/-e: '4K' -> 4096; a bad size is a one-line usage error."""
+    import argparse
+
+    try:
+        v = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: must be > 0")
+    return v
+
+
+def sizes_arg(text: str) -> str:
+    """argparse type of --sizes: checks every item, returns the text (callers split it)."""
+    items = [t for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise __import__("argparse").ArgumentTypeError("empty --sizes")
+    for t in items:
+        size_arg(t)
+    return text
+
+
+def list_arg(allowed: Sequence[str], what: str, aliases: dict | None = None):
+    """argparse type of a comma list of `allowed` names (or 'all'): returns the text unchanged
+    (run() splits it with split_list), or a one-line error naming the valid choices."""
+    import argparse
+
+    def check(text: str) -> str:
+        items = [t.strip() for t in str(text).split(",") if t.strip()]
+        bad = [t for t in items if t != "all" and t not in allowed and t not in (aliases or {})]
+        if bad or not items or ("all" in items and len(items) > 1):
+            import difflib
+
+            near = [m for t in bad for m in difflib.get_close_matches(t, allowed, 1)]
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(bad) or repr(text)}"
+                f"{' (did you mean ' + ', '.join(near) + '?)' if near else ''}: choose from "
+                f"{', '.join(allowed)}, a comma list of them, or all")
+        return text
+
+    check.__name__ = what.lstrip("-").replace("-", "_")
+    return check
+
+
+def mesh_arg(text: str) -> str:
+    import argparse
+
+    try:
+        parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def int_at_least(lo: int):
+    import argparse
+
+    def check(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {lo}")
+        return v
+
+    check.__name__ = f"integer >= {lo}"
+    return check
+
+
+def one_line_errors(p, validate: Callable | None = None) -> None:
+    """Make parser `p` report a bad command line as one line (`prog: error: ...`, exit 2, no usage
+    dump, no traceback), and run `validate(args, p)` right after every parse, for checks that
+    need several arguments (-b <= -e, --root < N). Installed by add_args, so the CLI needs no
+    extra call."""
+    def error(message: str):
+        p.exit(2, f"{p.prog}: error: {message} (see -h)\n")
+
+    p.error = error
+    if validate is not None:
+        parse_known = p.parse_known_args
+
+        def parse_known_args(args=None, namespace=None):
+            ns, extra = parse_known(args, namespace)
+            validate(ns, p)
+            return ns, extra
+
+        p.parse_known_args = parse_known_args
+
+
 # ----------------------------------------------------------------------------------------------
 # Devices and the library under test
 
@@ -444,6 +538,58 @@ def _floor_inputs(nbytes: int) -> np.ndarray:
     return _FLOOR_INPUTS
 
 
+_WRITE_FLOOR: dict[int, float] = {}
+# Above this many bytes the floor is measured on this many and scaled linearly (a rate at
+# 256 MiB is already main memory's: writing more cannot go faster per byte).
+WRITE_FLOOR_MAX_BYTES = 256 << 20
+
+
+def write_floor_us(nbytes: int, threads: int | None = None, reps: int = 40,
+                   min_seconds: float = 0.02) -> float:
+    """A lower bound on the time of any op whose outputs hold `nbytes` bytes in all.
+
+    Why it is a bound: the op (not donating its input) must write every byte of its outputs
+    into distinct buffers, and no way of writing B bytes on this machine is faster than the
+    fastest one we can find: memset (ndarray.fill) of B bytes already mapped and cache-warm
+    (no page faults, unlike XLA's fresh outputs), on one thread or split over every core,
+    the MINIMUM over `reps` tries (not the median: noise only makes a try slower). Reads, the
+    launch of the program and any synchronisation are not counted, so the bound is loose at
+    small sizes (there the program's launch dominates). Measured once per byte count per run."""
+    nbytes = max(1, int(nbytes))
+    if nbytes in _WRITE_FLOOR:
+        return _WRITE_FLOOR[nbytes]
+    if nbytes > WRITE_FLOOR_MAX_BYTES:
+        us = write_floor_us(WRITE_FLOOR_MAX_BYTES, threads, reps, min_seconds) * \
+            (nbytes / WRITE_FLOOR_MAX_BYTES)
+        _WRITE_FLOOR[nbytes] = us
+        return us
+    buf = np.ones(nbytes, dtype=np.uint8)  # touched: no page faults left
+    threads = max(1, threads or os.cpu_count() or 1)
+
+    def tries(fill) -> float:
+        best, spent, k = float("inf"), 0.0, 0
+        while k < reps or spent < min_seconds:
+            t0 = time.perf_counter()
+            fill(k & 0xFF)
+            dt = time.perf_counter() - t0
+            best, spent, k = min(best, dt), spent + dt, k + 1
+            if k >= 10 * reps:
+                break
+        return best
+
+    best = tries(buf.fill)
+    if threads > 1 and nbytes >= (1 << 20):
+        from concurrent.futures import ThreadPoolExecutor
+
+        step = -(-nbytes // threads)
+        parts = [buf[o:o + step] for o in range(0, nbytes, step)]
+        with ThreadPoolExecutor(threads) as ex:
+            best = min(best, tries(lambda v: list(ex.map(lambda a: a.fill(v), parts))))
+    del buf
+    _WRITE_FLOOR[nbytes] = best * 1e6
+    return best * 1e6
+
+
 # ----------------------------------------------------------------------------------------------
 # Tables
 
@@ -487,6 +633,68 @@ def render_table(cols: Sequence[Col], rows: Sequence[dict], *, title: str = "",
         lines.append(line + (f"   {r['_note']}" if r.get("_note") else ""))
     lines.extend(f"# {f}" for f in footer)
     return "\n".join(lines)
+
+
+DEFAULT_WIDTH = 120
+
+
+def fit_width(text: str, width: int = DEFAULT_WIDTH) -> str:
+    """Every line of a table within `width` characters: '#' comment lines wrap (continued with
+    '#   '), a data row's trailing note is cut with '...'."""
+    import textwrap
+
+    out = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+        elif line.startswith("#"):
+            body = line[1:].strip()
+            out.extend(textwrap.wrap(body, width - 2, initial_indent="# ",
+                                     subsequent_indent="#   ", break_on_hyphens=False)
+                       or ["#"])
+        else:
+            out.append(line[: width - 3] + "...")
+    return "\n".join(out)
+
+
+def fmt_time(t: float | None, noise: float | None = None) -> str:
+    """A measured time with its spread: '294.6 ±12.3', '2472 ±120'; 'N/A' when missing."""
+    if t is None or not math.isfinite(t):
+        return "N/A"
+    d = 0 if t >= 1000 else 1
+    if noise is None or not math.isfinite(noise) or noise <= 0:
+        return f"{t:.{d}f}"
+    return f"{t:.{d}f} ±{noise:.{d if noise < 1000 else 0}f}"
+
+
+def fmt_speedup(peer: float | None, mine: float | None, peer_noise: float = 0.0,
+                mine_noise: float = 0.0) -> tuple[str, float | None, bool]:
+    """(cell, speedup, within_noise): peer/mine, or '≈1' when the two times differ by no more
+    than the sum of their spreads (then the ratio is a number the noise made)."""
+    if not peer or not mine or peer <= 0 or mine <= 0:
+        return "N/A", None, False
+    sp = peer / mine
+    within = abs(peer - mine) <= (peer_noise or 0.0) + (mine_noise or 0.0)
+    return ("≈1" if within else f"{sp:.2f}"), sp, within
+
+
+def log_plot(ax, xs, ys, *, key: str, marker: str = "o", **kw) -> int:
+    """Plot a series on a log y axis without dropping values silently: points whose value is
+    missing or <= 0 are drawn as hollow 'v' markers at the axis bottom; returns how many."""
+    from . import style
+
+    st = style.series(key)
+    st.update(kw)
+    good = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y) and y > 0]
+    bad = [x for x, y in zip(xs, ys) if not (y is not None and math.isfinite(y) and y > 0)]
+    if good:
+        ax.plot(*zip(*good), marker=marker, **st)
+    if bad:
+        lbl = f"{st['label']}: no value (≤ 0 or missing)"
+        ax.plot(bad, [0] * len(bad), ls="none", marker="v", mfc="none", mec=st.get("color"),
+                color=st.get("color"), label=lbl, clip_on=False,
+                transform=ax.get_xaxis_transform())
+    return len(bad)
 
 
 # ----------------------------------------------------------------------------------------------

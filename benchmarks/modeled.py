@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from . import common
+from . import common, style
 from .common import Col, Report
 
 SWEEP_NPUS = (8, 32, 384)
@@ -45,7 +45,7 @@ def collective_columns(rows: list[dict], spec: str = "cloudmatrix384") -> None:
         if key not in cache:
             kw = dict(npus=r["npus"], spec=spec, dtype=r["dtype"])
             if r["op"] in ("all_reduce", "reduce_scatter") and r.get("redop") not in (None, "none"):
-                kw["redop"] = r["redop"]
+                kw["redop"] = "mean" if r["redop"] == "avg" else r["redop"]
             if r["op"] == "broadcast":
                 kw["root"] = max(0, r.get("root", 0))
             try:
@@ -121,12 +121,12 @@ def collectives_sweep(args) -> Report:
     for op in ops:
         for n in npus_list:
             rs = [r for r in report.rows if r["op"] == op and r["npus"] == n]
-            report.emit(_sweep_table(rs, op, n, spec.name, args.datatype))
+            report.emit(common.fit_width(_sweep_table(rs, op, n, spec.name, args.datatype)))
     report.emit(_ratio_summary(report.rows, "collective busbw, strata / buffer_centric"))
     return report
 
 
-SWEEP_COLS = [Col("size", "size", "(B)", "d", 11), Col("strata_us", "time", "(us)", ".1f", 10),
+SWEEP_COLS = [Col("size_label", "size", "/rank", "", 6), Col("strata_us", "time", "(us)", ".1f", 10),
               Col("strata_busbw", "busbw", "(GB/s)", ".4g", 7),
               Col("bc_us", "time", "(us)", ".1f", 10), Col("bc_busbw", "busbw", "(GB/s)", ".4g", 7),
               Col("ratio", "bc/strata", "(x)", ".2f", 9), Col("fits", "fits", "HBM", "", 4)]
@@ -135,7 +135,7 @@ SWEEP_COLS = [Col("size", "size", "(B)", "d", 11), Col("strata_us", "time", "(us
 def _sweep_table(rows, op, n, spec, dtype) -> str:
     out = []
     for r in rows:
-        t = dict(r, fits="yes" if r.get("fits_hbm") else "no")
+        t = dict(r, fits="yes" if r.get("fits_hbm") else "no", size_label=style.size_label(r["size"]))
         if r["status"] != "ok":
             t["_note"] = f"{r['status']}: {r['reason']}"
         out.append(t)
@@ -144,7 +144,7 @@ def _sweep_table(rows, op, n, spec, dtype) -> str:
     if ok:
         best = max(ok, key=lambda r: r["ratio"])
         footer = [f"Max strata busbw     : {max(r['strata_busbw'] for r in ok):.4g} GB/s",
-                  f"Max bc/strata        : {best['ratio']:.2f}x at {best['size']} B",
+                  f"Max bc/strata        : {best['ratio']:.2f}x at {style.size_label(best['size'])} B",
                   "fits HBM = input + output of one rank within its HBM "
                   "(sizes past it are modeled anyway)"]
     return common.render_table(SWEEP_COLS, out, title=f"{op}  modeled on {spec}  N={n} dtype={dtype}",
@@ -195,7 +195,7 @@ def moe_sweep(args) -> Report:
                        deepep_bytes_per_rank=s.bytes_per_rank, breakdown=s.breakdown,
                        bc_breakdown=b.breakdown)
             report.rows.append(row)
-    report.emit(_moe_table(report.rows, params))
+    report.emit(common.fit_width(_moe_table(report.rows, params)))
     report.emit(_ratio_summary(report.rows, "MoE DeepEP bandwidth, strata / buffer_centric"))
     return report
 
@@ -218,56 +218,76 @@ def _moe_table(rows, p) -> str:
                                footer=footer)
 
 
+_N_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
 def plot_collectives(report: Report, path: str) -> None:
+    """Modeled busbw vs size: strata (style colour, solid) and buffer_centric (its colour,
+    dashed), one marker per N; values <= 0 or missing are marked at the axis bottom."""
     plt = common.pyplot()
-    rows = [r for r in report.rows if r["status"] == "ok"]
-    ops = [o for o in report.params["ops"] if any(r["op"] == o for r in rows)]
+    rows = report.rows
+    ops = [o for o in report.params["ops"] if any(r["op"] == o and r["status"] == "ok" for r in rows)]
     if not ops:
         return
     cols = min(3, len(ops))
     nrow = -(-len(ops) // cols)
     fig, axes = plt.subplots(nrow, cols, figsize=(5 * cols, 3.8 * nrow), squeeze=False)
+    missing = 0
     for a, op in zip(axes.flat, ops):
-        for n in report.params["npus"]:
-            rs = sorted((r["size"], r["strata_busbw"], r["bc_busbw"]) for r in rows
-                        if r["op"] == op and r["npus"] == n)
+        sizes_all = []
+        for j, n in enumerate(report.params["npus"]):
+            rs = sorted((r for r in rows if r["op"] == op and r["npus"] == n), key=lambda r: r["size"])
             if not rs:
                 continue
-            line, = a.plot([r[0] for r in rs], [r[1] for r in rs], marker=".", label=f"strata N={n}")
-            a.plot([r[0] for r in rs], [r[2] for r in rs], ls="--", color=line.get_color(),
-                   label=f"buffer_centric N={n}")
-        a.set_xscale("log", base=2)
+            xs = [r["size"] for r in rs]
+            sizes_all += xs
+            mk = _N_MARKERS[j % len(_N_MARKERS)]
+            for key, field, ls in (("strata", "strata_busbw", "-"), ("buffer_centric", "bc_busbw", "--")):
+                ys = [r.get(field) if r["status"] == "ok" else None for r in rs]
+                missing += common.log_plot(a, xs, ys, key=key, marker=mk, ls=ls, ms=3,
+                                           label=f"{style.series(key)['label']}, N={n}")
         a.set_yscale("log")
+        style.size_axis(a, sizes_all)
         a.set_title(op)
-        a.set_xlabel("bytes per rank")
         a.set_ylabel("modeled busbw (GB/s)")
         a.grid(True, which="both", alpha=0.3)
-        a.legend(fontsize=7)
+        a.legend(fontsize=6)
     for a in list(axes.flat)[len(ops):]:
         a.axis("off")
-    fig.suptitle(f"modeled on {report.params['spec']}: busbw vs size, strata and buffer_centric")
+    fig.suptitle(f"modeled on {report.params['spec']}: busbw vs size, strata and buffer_centric"
+                 + ("; v at the bottom = no value" if missing else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_moe(report: Report, path: str) -> None:
+    """Modeled DeepEP bandwidth vs ranks: strata solid, buffer_centric dashed (style colours);
+    dispatch circles, combine squares; missing values marked at the axis bottom."""
     plt = common.pyplot()
-    rows = [r for r in report.rows if r["status"] == "ok"]
-    if not rows:
+    rows = report.rows
+    if not any(r["status"] == "ok" for r in rows):
         return
     fig, a = plt.subplots(figsize=(7, 4))
-    for op in ("moe_dispatch", "moe_combine"):
-        rs = sorted((r["npus"], r["strata_bw"], r["bc_bw"]) for r in rows if r["op"] == op)
-        line, = a.plot([r[0] for r in rs], [r[1] for r in rs], marker="o", label=f"{op} strata")
-        a.plot([r[0] for r in rs], [r[2] for r in rs], marker="o", ls="--", color=line.get_color(),
-               label=f"{op} buffer_centric")
+    missing = 0
+    for op, mk in (("moe_dispatch", "o"), ("moe_combine", "s")):
+        rs = sorted((r for r in rows if r["op"] == op), key=lambda r: r["npus"])
+        xs = [r["npus"] for r in rs]
+        for key, field, ls in (("strata", "strata_bw", "-"), ("buffer_centric", "bc_bw", "--")):
+            ys = [r.get(field) if r["status"] == "ok" else None for r in rs]
+            missing += common.log_plot(a, xs, ys, key=key, marker=mk, ls=ls,
+                                       label=f"{op}, {style.series(key)['label']}")
     a.set_xscale("log", base=2)
+    ranks = sorted({r["npus"] for r in rows})
+    a.set_xticks(ranks, [str(v) for v in ranks])
+    a.minorticks_off()
+    a.set_yscale("log")
     a.set_xlabel("ranks")
     a.set_ylabel("modeled DeepEP bandwidth (GB/s)")
-    a.set_title(f"MoE at DeepEP's shape, modeled on {report.params['spec']}")
+    a.set_title(f"MoE at DeepEP's shape, modeled on {report.params['spec']}"
+                + ("; v at the bottom = no value" if missing else ""))
     a.grid(True, alpha=0.3)
-    a.legend(fontsize=8)
+    a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

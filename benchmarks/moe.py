@@ -22,7 +22,7 @@ import math
 
 import numpy as np
 
-from . import common, modeled
+from . import common, modeled, style
 from .common import Col, Report
 
 MOE_OPS = ("dispatch", "combine", "layer")
@@ -176,18 +176,48 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-factor", type=float, default=1.25,
                    help="capacity = ceil(cf * N * tokens * topk / experts) rows per expert")
     p.add_argument("--ffn", type=int, default=256, help="expert FFN width for the layer (256)")
-    p.add_argument("--npus", type=int, default=8, help="emulated NPUs (8)")
-    p.add_argument("-d", "--datatype", default="float32", help="token dtype (float32)")
-    p.add_argument("-n", "--iters", type=int, default=5, help="timed calls (5)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=2, help="warm-up calls (2)")
+    p.add_argument("--npus", type=common.int_at_least(1), default=8, help="emulated NPUs (8)")
+    p.add_argument("-d", "--datatype", default="float32",
+                   choices=("float32", "float16", "bfloat16", "float64", "float", "half", "bf16",
+                            "double", "fp32", "fp16"),
+                   help="token dtype (float32)")
+    p.add_argument("-n", "--iters", type=common.int_at_least(1), default=5, help="timed calls (5)")
+    p.add_argument("-w", "--warmup_iters", type=common.int_at_least(0), default=2,
+                   help="warm-up calls (2)")
     p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results")
-    p.add_argument("--ops", default="all", help="comma list of dispatch, combine, layer; or all")
-    p.add_argument("--mode", default="strata", help="strata, buffer_centric, or all")
-    p.add_argument("--impl", default="all", help="strata, lax, or all")
+    p.add_argument("--ops", default="all", type=common.list_arg(MOE_OPS, "--ops"),
+                   help="comma list of dispatch, combine, layer; or all")
+    p.add_argument("--mode", default="strata",
+                   type=common.list_arg(("strata", "buffer_centric"), "--mode"),
+                   help="strata, buffer_centric, or all")
+    p.add_argument("--impl", default="all", type=common.list_arg(("strata", "lax"), "--impl"),
+                   help="strata, lax, or all")
     p.add_argument("--seed", type=int, default=0)
     common.add_timing_args(p)
     modeled.add_model_args(p, npus_default="8,16,32,64,128", sizes=False)
     common.add_output_args(p)
+    common.one_line_errors(p, validate)
+
+
+def validate(args, p) -> None:
+    """Checks across arguments: one line and exit status 2, before any device starts."""
+    for flag in ("tokens", "hidden", "topk", "experts", "ffn"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1")
+    if args.repeats < 1 or args.sync_every < 1:
+        p.error("--repeats and --sync-every must be >= 1")
+    if getattr(args, "model_only", False):
+        return
+    if args.experts % args.npus:
+        p.error(f"--experts {args.experts} must be a multiple of --npus {args.npus}")
+    if args.topk > args.experts:
+        p.error(f"--topk {args.topk} must be in 1..--experts ({args.experts})")
+
+
+def _blocks(args) -> tuple[int, int]:
+    """(calls per block, blocks): at least two blocks when -n >= 2, so a time has a spread."""
+    blocks = max(args.repeats, 2 if args.iters >= 2 else 1)
+    return (-(-args.iters // blocks) if args.repeats < 2 else args.iters), blocks
 
 
 def _expand(tree):
@@ -341,10 +371,10 @@ def run(args) -> Report:
                         dfn = smap(lambda a, b: (lambda r, hd: (r, _expand(hd)))(*disp(a, b)),
                                    (P(ax), P(ax)), (P(ax), P(ax)))
                         if op == "dispatch":
-                            timing, out = common.time_calls(dfn, (x, idx), iters=args.iters,
+                            timing, out = common.time_calls(dfn, (x, idx), iters=_blocks(args)[0],
                                                             warmup=args.warmup_iters,
                                                             max_seconds=args.max_seconds,
-                                            repeats=args.repeats,
+                                            repeats=_blocks(args)[1],
                                             sync_every=args.sync_every)
                         else:
                             out = jax.block_until_ready(dfn(x, idx))
@@ -356,10 +386,10 @@ def run(args) -> Report:
                         comb = fns(impl)[1]
                         cfn = smap(lambda y, hd, ww: comb(y, _squeeze(hd), ww),
                                    (P(ax), P(ax), P(ax)), P(ax))
-                        timing, out = common.time_calls(cfn, (ey, handle, w), iters=args.iters,
+                        timing, out = common.time_calls(cfn, (ey, handle, w), iters=_blocks(args)[0],
                                                         warmup=args.warmup_iters,
                                                         max_seconds=args.max_seconds,
-                                            repeats=args.repeats,
+                                            repeats=_blocks(args)[1],
                                             sync_every=args.sync_every)
                         if args.check:
                             got = np.asarray(out).reshape(n, tkn, h)
@@ -373,10 +403,10 @@ def run(args) -> Report:
                                                            top_k=k, capacity=cap),
                                    (P(ax), P(), P(ax), P(ax)), P(ax))
                         timing, out = common.time_calls(lfn, (xf, router, w_in, w_out),
-                                                        iters=args.iters,
+                                                        iters=_blocks(args)[0],
                                                         warmup=args.warmup_iters,
                                                         max_seconds=args.max_seconds,
-                                            repeats=args.repeats,
+                                            repeats=_blocks(args)[1],
                                             sync_every=args.sync_every)
                         got = np.asarray(out).astype(np.float64)
                         if impl == "lax":
@@ -393,7 +423,8 @@ def run(args) -> Report:
                     handle = None
                 continue
             t = timing.mean_us
-            row.update(time_us=t, iters=timing.iters, first_call_s=timing.first_call_s)
+            row.update(time_us=t, iters=timing.iters, first_call_s=timing.first_call_s,
+                       blocks_us=list(timing.blocks_us), spread_us=style.spread(timing.blocks_us))
             if op in ("dispatch", "combine"):
                 row["bytes_per_rank"] = recv_bytes
                 row["bw"] = recv_bytes / (t * 1e-6) / 1e9
@@ -405,10 +436,12 @@ def run(args) -> Report:
     for r in report.rows:
         peer = results.get((r["op"], "lax", None))
         if r["impl"] == "strata" and r["status"] == "ok" and peer and peer["status"] == "ok":
-            r["lax_time_us"] = peer["time_us"]
-            r["speedup"] = peer["time_us"] / r["time_us"]
+            _, sp, within = common.fmt_speedup(peer["time_us"], r["time_us"],
+                                               peer.get("spread_us", 0.0), r.get("spread_us", 0.0))
+            r.update(lax_time_us=peer["time_us"], lax_spread_us=peer.get("spread_us"),
+                     speedup=sp, speedup_within_noise=within)
     _modeled_columns(report, strata, n, tkn, h, k, ne, cap, dtype, idx_all)
-    report.emit(_table(report, params))
+    report.emit(common.fit_width(_table(report, params)))
     return report
 
 
@@ -455,25 +488,36 @@ def _check_dispatch(out, exp_recv, exp_counts, exp_drop, n, el) -> int:
     return wrong
 
 
-COLS = [Col("op", "op", "", "", 8), Col("impl_name", "impl", "", "", 21),
-        Col("time_us", "time", "(us)", ".1f", 10), Col("bw", "bw", "(GB/s)", ".3f", 7),
-        Col("wrong", "#wrong", "", "d", 6), Col("lax_time_us", "lax time", "(us)", ".1f", 10),
-        Col("speedup", "speedup", "(x)", ".2f", 7),
-        Col("modeled_us", "modeled", "(us)", ".1f", 9),
+COLS = [Col("op", "op", "", "", 8), Col("impl_name", "implementation", "", "", 27),
+        Col("t_cell", "time", "(us)", "", 14), Col("bw", "bw", "(GB/s)", ".3g", 7),
+        Col("wrong", "#wrong", "", "d", 6), Col("lax_cell", "lax time", "(us)", "", 14),
+        Col("sp_cell", "speedup", "(x lax)", "", 7),
+        Col("modeled_us", "modeled", "(us)", ".1f", 8),
         Col("modeled_bc_ratio", "bc/strata", "(x)", ".2f", 9)]
+
+
+def _impl_label(r) -> str:
+    key = "lax" if r["impl"] == "lax" else ("strata" if r["mode"] == "strata" else r["mode"])
+    return style.series(key)["label"]
 
 
 def _table(report: Report, p: dict) -> str:
     rows = []
     for r in report.rows:
-        t = dict(r, impl_name="lax reference" if r["impl"] == "lax" else f"strata {r['mode']}")
+        t = dict(r, impl_name=_impl_label(r))
+        t["t_cell"] = common.fmt_time(r.get("time_us"), r.get("spread_us"))
+        if r.get("lax_time_us") is not None:
+            t["lax_cell"] = common.fmt_time(r["lax_time_us"], r.get("lax_spread_us"))
+            t["sp_cell"] = "≈1" if r.get("speedup_within_noise") else f"{r['speedup']:.2f}"
         if r["status"] != "ok":
             t["_note"] = f"{r['status']}: {r['reason']}"
         rows.append(t)
     title = (f"MoE expert parallel: N={p['npus']} tokens/rank={p['tokens']} hidden={p['hidden']} "
              f"top-k={p['topk']} experts={p['experts']} ({p['experts_per_rank']}/rank) "
              f"capacity={p['capacity']} ffn={p['ffn']} {p['dtype']}")
-    footer = [f"bw = accepted (token,k) rows x H x itemsize per rank / time = "
+    footer = ["time: per call, median of the timed blocks, ± half their range; speedup = lax "
+              "time / strata time, ≈1 when the difference is within the two spreads",
+              f"bw = accepted (token,k) rows x H x itemsize per rank / time = "
               f"{p['recv_bytes_per_rank'] / 1e6:.2f} MB per rank "
               f"({p['accepted_pairs']} pairs accepted, {p['dropped_pairs']} dropped)",
               f"layer: lax = {p.get('layer_reference', 'reference')}; strata #wrong = "
@@ -485,11 +529,14 @@ def _table(report: Report, p: dict) -> str:
 
 
 def plot(report: Report, path: str) -> None:
+    """Time per call of each op and implementation, ± spread; a bar that has no value
+    (failed or skipped) is drawn as a hatched stub labelled n/a, never left out."""
     if report.params.get("model_only"):
         return modeled.plot_moe(report, path)
     plt = common.pyplot()
-    rows = [r for r in report.rows if r["status"] == "ok"]
-    if not rows:
+    rows = report.rows
+    ok = [r for r in rows if r["status"] == "ok" and r.get("time_us")]
+    if not ok:
         return
     ops = [o for o in MOE_OPS if any(r["op"] == o for r in rows)]
     order = ["lax"] + list(report.params["modes"])
@@ -497,18 +544,38 @@ def plot(report: Report, path: str) -> None:
                   key=lambda kk: order.index(kk[1] if kk[0] == "strata" else "lax"))
     fig, a = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(keys)
+    lo = min(r["time_us"] for r in ok) / 1e3 / 4
+    any_missing = False
     for j, (impl, mode) in enumerate(keys):
-        vals = [next((r["time_us"] / 1e3 for r in rows if r["op"] == o and r["impl"] == impl
-                      and r["mode"] == mode), 0.0) for o in ops]
-        a.bar([i + j * width for i in range(len(ops))], vals, width,
-              label="lax reference" if impl == "lax" else f"strata ({mode})")
+        key = "lax" if impl == "lax" else ("strata" if mode == "strata" else mode)
+        st = style.series(key)
+        xs, vals, errs, missing = [], [], [], []
+        for i, o in enumerate(ops):
+            r = next((r for r in rows if r["op"] == o and r["impl"] == impl and r["mode"] == mode),
+                     None)
+            x = i + j * width
+            if r is None or r["status"] != "ok" or not r.get("time_us"):
+                missing.append(x)
+                continue
+            xs.append(x)
+            vals.append(r["time_us"] / 1e3)
+            errs.append((r.get("spread_us") or 0.0) / 1e3)
+        if xs:
+            a.bar(xs, vals, width, yerr=errs, capsize=3, **st)
+        for x in missing:  # no value: a hatched stub at the bottom, labelled
+            any_missing = True
+            a.bar([x], [lo], width, bottom=lo, color="none", edgecolor=st["color"], hatch="//",
+                  label=None if xs else st["label"])
+            a.annotate("n/a", (x, 2 * lo), ha="center", va="bottom", fontsize=7)
     a.set_xticks([i + width * (len(keys) - 1) / 2 for i in range(len(ops))], ops)
-    a.set_ylabel("time per call (ms)")
+    a.set_ylabel("time per call (ms), ± spread")
     a.set_yscale("log")
     p = report.params
     a.set_title(f"MoE, N={p['npus']}, {p['tokens']} tok/rank, H={p['hidden']}, "
-                f"top-{p['topk']}, E={p['experts']}")
-    a.legend()
+                f"top-{p['topk']}, E={p['experts']}"
+                + ("; hatched n/a = no value (failed or skipped)" if any_missing else ""),
+                fontsize=9)
+    a.legend(fontsize=8)
     a.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

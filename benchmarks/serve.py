@@ -22,7 +22,7 @@ import argparse
 import os
 import time
 
-from . import common
+from . import common, style
 from .common import Col, Report
 
 # Published figures to compare with (reported beside the model, never fitted to).
@@ -106,6 +106,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "stream, so 2 is slower in it: docs/step_model.md)")
     add_model_args(p)
     common.add_output_args(p)
+    common.one_line_errors(p)
 
 
 def spec_for(args):
@@ -207,7 +208,7 @@ def run(args) -> Report:
                                for r in report.rows]
     if trace_path is None and (args.trace or args.out):
         prm["trace_path"] = args.trace or os.path.join(args.out, "serve_trace.json")
-    report.emit(_table(report, prm))
+    report.emit(common.fit_width(_table(report, prm)))
     return report
 
 
@@ -247,10 +248,11 @@ def plot(report: Report, path: str) -> None:
     p = report.params
     key = "tpot_ms" if p["phase"] == "decode" else "ttft_ms"
     fig, a = plt.subplots(figsize=(6.4, 4))
-    for mode, color in (("strata", "tab:blue"), ("buffer_centric", "tab:orange")):
+    for mode in MODES:
+        st = style.series(mode)
         rs = sorted((r for r in report.rows if r["mode"] == mode), key=lambda r: r["batch_per_npu"])
-        a.plot([r[key] for r in rs], [r["tokens_per_s_per_npu"] for r in rs], "o-", color=color,
-               label=f"modeled, {mode}")
+        a.plot([r[key] for r in rs], [r["tokens_per_s_per_npu"] for r in rs], "o-", color=st["color"],
+               label=f"{st['label']} (modeled)")
         if mode == "strata":
             for r in rs:
                 a.annotate(f"B={r['batch_per_npu']}", (r[key], r["tokens_per_s_per_npu"]),

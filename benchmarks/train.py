@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from . import common
+from . import common, style
 from .common import Col, Report
 from .moe import reference_combine, reference_dispatch, route
 from .serve import add_model_args, model_config, ranks_for, simulate_modes, spec_for
@@ -116,14 +116,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=2, help="experts per token (2)")
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--npus", type=int, default=None,
+    p.add_argument("--npus", type=common.int_at_least(1), default=None,
                    help="emulated NPUs on the expert axis (8); with --model-only, 910C packages (64)")
-    p.add_argument("-n", "--iters", type=int, default=10, help="timed steps (10)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=2, help="warm-up steps (2)")
+    p.add_argument("-n", "--iters", type=common.int_at_least(1), default=10, help="timed steps (10)")
+    p.add_argument("-w", "--warmup_iters", type=common.int_at_least(0), default=2,
+                   help="warm-up steps (2)")
     p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
                    help="compare one strata step with the lax step")
-    p.add_argument("--mode", default="strata", help="strata, buffer_centric, or all")
-    p.add_argument("--impl", default="all", help="strata, lax, or all")
+    p.add_argument("--mode", default="strata",
+                   type=common.list_arg(("strata", "buffer_centric"), "--mode"),
+                   help="strata, buffer_centric, or all")
+    p.add_argument("--impl", default="all", type=common.list_arg(("strata", "lax"), "--impl"),
+                   help="strata, lax, or all")
     p.add_argument("--strata-moe", action=argparse.BooleanOptionalAction, default=True,
                    help="the strata backend uses strata.moe.dispatch/combine, as a strata user "
                         "would (default); --no-strata-moe builds them from strata collectives")
@@ -136,6 +140,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     common.add_timing_args(p, 3, "interleaved timing rounds over the variants; the median "
                                  "round is reported (3)")
     common.add_output_args(p)
+    common.one_line_errors(p, validate)
+
+
+def validate(args, p) -> None:
+    """Checks across arguments: one line and exit status 2, before any device starts."""
+    for flag in ("tokens", "hidden", "ffn", "experts", "topk"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1")
+    if args.repeats < 1 or args.sync_every < 1:
+        p.error("--repeats and --sync-every must be >= 1")
+    if args.model_only:
+        return
+    n = args.npus if args.npus is not None else 8
+    if args.experts % n:
+        p.error(f"--experts {args.experts} must be a multiple of --npus {n}")
+    if args.topk > args.experts:
+        p.error(f"--topk {args.topk} must be in 1..--experts ({args.experts})")
 
 
 def run(args) -> Report:
@@ -231,8 +252,10 @@ def run(args) -> Report:
                 continue
             try:
                 with ctx():
+                    halves = 2 if args.iters >= 2 else 1  # two blocks: a spread per round
                     timing, (_, state) = common.time_calls(
-                        step, state, iters=args.iters, warmup=args.warmup_iters,
+                        step, state, iters=-(-args.iters // halves), warmup=args.warmup_iters,
+                        repeats=halves,
                         max_seconds=args.max_seconds, first_call=False,
                         sync_every=args.sync_every,
                         chain=lambda a, out: (out[0], a[1], a[2]))
@@ -240,8 +263,9 @@ def run(args) -> Report:
                 row.update(common.failure(ex))
                 continue
             item[3] = state
-            row.setdefault("rounds_ms", []).append(timing.mean_us / 1e3)
-            row["iters"] = timing.iters
+            row.setdefault("rounds_ms", []).append(float(np.mean(timing.blocks_us)) / 1e3)
+            row.setdefault("blocks_ms", []).extend(b / 1e3 for b in timing.blocks_us)
+            row["iters"] = timing.iters * len(timing.blocks_us)
     if hasattr(bar, "close"):
         bar.close()
     if args.trace:
@@ -249,6 +273,7 @@ def run(args) -> Report:
     for row in report.rows:
         if row["status"] == "ok" and row.get("rounds_ms"):
             row["step_ms"] = float(np.median(row["rounds_ms"]))
+            row["spread_ms"] = style.spread(row.get("blocks_ms") or row["rounds_ms"])
             row["tokens_per_s"] = n * t / (row["step_ms"] * 1e-3)
     if args.child_out:  # a child of an isolated run: hand the lax row and parameters back
         np.savez(args.child_out, row=json.dumps(common.jsonable(report.rows[0])),
@@ -256,9 +281,11 @@ def run(args) -> Report:
     lax_row = next((r for r in report.rows if r["impl"] == "lax" and r["status"] == "ok"), None)
     for r in report.rows:
         if r["impl"] == "strata" and r["status"] == "ok" and lax_row:
-            r["lax_step_ms"] = lax_row["step_ms"]
-            r["speedup"] = lax_row["step_ms"] / r["step_ms"]
-    report.emit(_table(report, prm))
+            _, sp, within = common.fmt_speedup(lax_row["step_ms"], r["step_ms"],
+                                               lax_row.get("spread_ms", 0.0), r.get("spread_ms", 0.0))
+            r.update(lax_step_ms=lax_row["step_ms"], lax_spread_ms=lax_row.get("spread_ms"),
+                     speedup=sp, speedup_within_noise=within)
+    report.emit(common.fit_width(_table(report, prm)))
     return report
 
 
@@ -311,7 +338,7 @@ def run_model(args) -> Report:
         foot.append(f"trace of the strata step: {trace} (open in ui.perfetto.dev)")
     title = (f"{args.model} training step (forward + backward) modeled on {spec.name}: {args.npus} NPUs = {ranks} "
              f"ranks (a rank is a {args.rank}), {args.batch_per_npu} x {args.seq} tokens per NPU")
-    report.emit(common.render_table(cols, report.rows, title=title, footer=foot))
+    report.emit(common.fit_width(common.render_table(cols, report.rows, title=title, footer=foot)))
     return report
 
 
@@ -347,11 +374,23 @@ def _lax_in_child(args, prm) -> tuple[dict, list | None]:
     return row, None
 
 
-COLS = [Col("name", "collectives", "", "", 22), Col("step_ms", "step", "(ms)", ".2f", 9),
+COLS = [Col("name", "collectives", "", "", 27), Col("step_cell", "step", "(ms)", "", 13),
         Col("tokens_per_s", "tokens/s", "", ".0f", 9), Col("loss", "loss", "", ".5f", 9),
         Col("wrong", "#wrong", "", "d", 6), Col("max_abs_diff", "max |d|", "", ".1e", 8),
-        Col("lax_step_ms", "lax step", "(ms)", ".2f", 9),
-        Col("speedup", "speedup", "(x)", ".2f", 7)]
+        Col("lax_cell", "lax step", "(ms)", "", 13),
+        Col("sp_cell", "speedup", "(x lax)", "", 7)]
+
+
+def _ms(v, noise) -> str:
+    """A step time in ms with its spread ('12.34 ±0.56')."""
+    if v is None:
+        return "N/A"
+    return f"{v:.2f} ±{noise:.2f}" if noise else f"{v:.2f}"
+
+
+def _label(r) -> str:
+    return style.series("lax" if r["impl"] == "lax" else
+                        ("strata" if r["mode"] == "strata" else r["mode"]))["label"]
 
 
 def _trace_steps(prepared, strata, path: str, prm: dict) -> None:
@@ -391,15 +430,22 @@ def _trace_steps(prepared, strata, path: str, prm: dict) -> None:
 def _table(report: Report, p: dict) -> str:
     rows = []
     for r in report.rows:
-        t = dict(r, name="lax" if r["impl"] == "lax" else f"strata {r['mode']}"
-                 + (" +strata.moe" if p["strata_moe"] else ""))
+        t = dict(r, name=_label(r), step_cell=_ms(r.get("step_ms"), r.get("spread_ms")))
+        if r.get("lax_step_ms") is not None:
+            t["lax_cell"] = _ms(r["lax_step_ms"], r.get("lax_spread_ms"))
+            t["sp_cell"] = "≈1" if r.get("speedup_within_noise") else f"{r['speedup']:.2f}"
         if r["status"] != "ok":
             t["_note"] = f"{r['status']}: {r['reason']}"
         rows.append(t)
     title = (f"MoE block training step (fwd+bwd+SGD): N={p['npus']} tokens/rank={p['tokens']} "
              f"hidden={p['hidden']} ffn={p['ffn']} experts={p['experts']} top-k={p['topk']} "
              f"capacity={p['capacity']} params={p['params']}")
-    foot = ["#wrong: updated parameters differing from the lax step by > 1e-5 + 1e-4|lax|"]
+    foot = ["step: median of the rounds, ± half the range of every timed block; speedup = lax step "
+            "/ strata step, ≈1 when the difference is within the two spreads",
+            "#wrong: updated parameters differing from the lax step by > 1e-5 + 1e-4|lax|",
+            "strata rows dispatch/combine tokens with " + (
+                "strata.moe (--no-strata-moe: built from strata collectives)" if p["strata_moe"]
+                else "the reference dispatch built from strata collectives (--no-strata-moe)")]
     for r in report.rows:
         if r.get("traced_ops"):
             foot.append(f"strata {r['mode']}: one traced step, {r['traced_ops']} strata ops, "
@@ -416,24 +462,39 @@ def _table(report: Report, p: dict) -> str:
 
 
 def plot(report: Report, path: str) -> None:
+    """Step time per variant, ± spread, colours and labels from style; a variant with no value
+    (failed, skipped) is a hatched n/a stub, not left out."""
     if report.name == "train_model":
         return _plot_model(report, path)
     plt = common.pyplot()
-    rows = [r for r in report.rows if r["status"] == "ok"]
-    if not rows:
+    rows = report.rows
+    ok = [r for r in rows if r["status"] == "ok" and r.get("step_ms")]
+    if not ok:
         return
-    fig, a = plt.subplots(figsize=(6, 3.5))
-    names = ["lax" if r["impl"] == "lax" else f"strata ({r['mode']})" for r in rows]
-    bars = a.bar(names, [r["step_ms"] for r in rows],
-                 color=["gray" if r["impl"] == "lax" else "tab:blue" for r in rows])
-    for b, r in zip(bars, rows):
-        if r.get("speedup"):
-            a.annotate(f"{r['speedup']:.2f}x vs lax",
-                       (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
-    a.set_ylim(0, 1.15 * max(r["step_ms"] for r in rows))  # room for the labels
+    fig, a = plt.subplots(figsize=(6.4, 3.6))
+    top = max(r["step_ms"] for r in ok)
+    names = [_label(r) for r in rows]
+    for i, r in enumerate(rows):
+        st = style.series("lax" if r["impl"] == "lax" else
+                          ("strata" if r["mode"] == "strata" else r["mode"]))
+        if r in ok:
+            a.bar([i], [r["step_ms"]], yerr=[r.get("spread_ms") or 0.0], capsize=4,
+                  color=st["color"])
+            if r.get("speedup"):
+                text = "≈ lax (within noise)" if r.get("speedup_within_noise") else \
+                    f"{r['speedup']:.2f}x vs lax"
+                a.annotate(text, (i, r["step_ms"] + (r.get("spread_ms") or 0.0)), ha="center",
+                           va="bottom", fontsize=8)
+        else:
+            a.bar([i], [0.05 * top], color="none", edgecolor=st["color"], hatch="//")
+            a.annotate(f"n/a ({r['status']})", (i, 0.06 * top), ha="center", va="bottom",
+                       fontsize=8)
+    a.set_xticks(range(len(rows)), names, fontsize=8)
+    a.set_ylim(0, 1.2 * max(r["step_ms"] + (r.get("spread_ms") or 0.0) for r in ok))
     p = report.params
-    a.set_ylabel("step time (ms)")
-    a.set_title(f"MoE training step, N={p['npus']}, {p['tokens']} tok/rank, H={p['hidden']}")
+    a.set_ylabel("step time (ms), ± spread")
+    a.set_title(f"MoE training step, N={p['npus']}, {p['tokens']} tok/rank, H={p['hidden']}",
+                fontsize=10)
     a.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -448,6 +509,7 @@ def _plot_model(report: Report, path: str) -> None:
     names = [r["mode"] for r in report.rows]
     comp = [r["step_ms"] - r["exposed_comm_ms"] for r in report.rows]
     exposed = [r["exposed_comm_ms"] for r in report.rows]
+    names = [style.series(m)["label"] for m in names]
     a.bar(names, comp, color="tab:green", label="compute (and hidden communication)")
     a.bar(names, exposed, bottom=comp, color="tab:red", label="exposed communication")
     for i, r in enumerate(report.rows):

@@ -227,3 +227,215 @@ def test_latency_peer_child_that_outlives_its_timeout_reads_timed_out(monkeypatc
     assert all(r["reason"].startswith("timed out after 7 s") for r in lax_rows), lax_rows
     table = latency._table(report.rows, 384, 8)
     assert "timed out" in table
+
+
+# --- issue 30: collectives/moe/train output and CLI ---
+
+import re  # noqa: E402
+
+WIDTH = 120
+
+
+def run_cli_raw(*argv, timeout=300):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["collectives", "--op", "allreduce"], "all_reduce"),  # names the valid ops
+    (["collectives", "-b", "1M", "-e", "4K"], "-b 1M is larger than -e 4K"),
+    (["collectives", "-b", "4Q"], "bad size '4Q'"),
+    (["collectives", "--mode", "fast"], "buffer_centric"),
+    (["collectives", "--impl", "nccl"], "strata, lax"),
+    (["collectives", "--mesh", "2xq"], "--mesh"),
+    (["collectives", "-d", "float99"], "float32"),
+    (["collectives", "-o", "mean"], "sum, prod, max, min, avg"),
+    (["collectives", "--npus", "8", "--mesh", "2x2"], "does not match"),
+    (["collectives", "--root", "8"], "--root 8"),
+    (["moe", "--ops", "dispatsh"], "dispatch"),
+    (["moe", "--experts", "12", "--npus", "8"], "multiple of --npus"),
+    (["train", "--mode", "x"], "strata, buffer_centric"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(argv, says):
+    """A bad command line: exit status 2, one line on stderr that says what is wrong, no
+    traceback, nothing on stdout (it fails before JAX starts)."""
+    proc = run_cli_raw(*argv, timeout=60)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    assert len(err) == 1, err
+    assert says in err[0] and "error" in err[0], err
+    assert not proc.stdout.strip(), proc.stdout
+
+
+def _data_lines(text):
+    return [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+
+
+def test_collectives_default_output_is_compact_and_honest(tmp_path):
+    """Default output: every line <= 120 characters, sizes as 4K, no negative number in any
+    table cell, a share of the floor never above 100% (nor 'beaten!'), every time carrying its
+    spread, legends from style, a plot written."""
+    proc = run_cli_raw("collectives", "-b", "1K", "-e", "16K", "-f", "4", "-n", "4", "-w", "1",
+                       "--npus", "8", "--mode", "all", "--op", "all_reduce,all_gather,broadcast",
+                       "--no-progress", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    long = [ln for ln in out.splitlines() if len(ln) > WIDTH]
+    assert not long, long
+    rows = _data_lines(out)
+    assert rows and all(re.match(r"^\s+(1K|4K|16K)\s", ln) for ln in rows), rows
+    for ln in rows:  # no negative number anywhere in a row (times, speedups, shares)
+        assert not re.search(r"(?<![\w.])-\d", ln), ln
+        assert "beaten" not in ln, ln
+        assert "±" in ln, ln  # strata time carries its spread
+    assert "strata (strata)" not in out and "of floor" in out and "--verbose" in out
+    data = check_rows(tmp_path / "collectives.json", min_ok=3 * 3 * 4)
+    for r in data["rows"]:
+        if r["status"] != "ok":
+            continue
+        assert r["time_us"] > 0 and r["spread_us"] >= 0 and len(r["blocks_us"]) >= 2, r
+        assert 0 < r["floor_share"] <= 1 and not r["floor_beaten"], r
+        assert r["floor_bytes"] == r["npus"] * r["out_bytes"], r
+        assert r["ref_us"] > 0, r  # the memory reference is kept, under its own name
+        if r.get("speedup") is not None:
+            assert r["speedup"] > 0 and isinstance(r["speedup_within_noise"], bool), r
+        assert r.get("minus_launch_us") is None or r["minus_launch_us"] > 0, r
+    assert (tmp_path / "collectives.png").stat().st_size > 0
+
+
+def test_collectives_verbose_keeps_the_details(tmp_path):
+    out = run_cli("collectives", "-b", "1K", "-e", "1K", "-n", "2", "-w", "1", "--npus", "4",
+                  "--op", "all_gather", "--verbose", "--alloc", "jax")
+    assert "mem ref" in out and "algbw" in out and "- launch" in out and "memory reference" in out
+    assert "floor" in out
+    for ln in _data_lines(out):
+        assert not re.search(r"(?<![\w.])-\d", ln), ln
+
+
+def test_collectives_all_reductions_and_dtypes(tmp_path):
+    """nccl-tests' -o all -d all: every reduction of every dtype runs (or is skipped with its
+    reason: bool does not reduce, integers have no avg), every result exact."""
+    out = run_cli("collectives", "-o", "all", "-d", "all", "--op", "all_reduce,all_gather",
+                  "-b", "256", "-e", "256", "-n", "2", "-w", "0", "--npus", "4", "--alloc", "jax",
+                  "--json", str(tmp_path / "c.json"))
+    data = check_rows(tmp_path / "c.json", min_ok=1)
+    rows = data["rows"]
+    assert set(data["params"]["dtypes"]) == set(collectives.DTYPES)
+    assert data["params"]["redops"] == list(collectives.REDOPS)
+    got = {(r["op"], r["dtype"], r["redop"]) for r in rows if r["status"] == "ok"}
+    for dt in collectives.DTYPES:
+        assert ("all_gather", dt, "none") in got, dt
+        if dt == "bool":
+            continue
+        for red in collectives.REDOPS:
+            if red == "avg" and not dt.startswith(("float", "bfloat")):
+                continue
+            assert ("all_reduce", dt, red) in got, (dt, red)
+    skipped = {(r["dtype"], r["redop"]) for r in rows if r["status"] == "skipped"}
+    assert ("int32", "avg") in skipped and ("bool", "sum") in skipped
+    assert "bool does not reduce" in out and "avg of int32" in out
+    assert all(len(ln) <= WIDTH for ln in out.splitlines())
+
+
+def test_moe_and_train_tables_fit_and_plot(tmp_path):
+    out = run_cli("moe", "--tokens", "32", "--hidden", "64", "--topk", "2", "--experts", "16",
+                  "--ffn", "32", "-n", "2", "-w", "1", "--mode", "all", "--out", str(tmp_path))
+    out += run_cli("train", "--tokens", "32", "--hidden", "32", "--ffn", "32", "--experts", "16",
+                   "--topk", "2", "-n", "2", "-w", "1", "--mode", "all", "--repeats", "1",
+                   "--out", str(tmp_path))
+    assert all(len(ln) <= WIDTH for ln in out.splitlines()), \
+        [ln for ln in out.splitlines() if len(ln) > WIDTH]
+    for ln in _data_lines(out):
+        assert not re.search(r"(?<![\w.])-\d", ln.split("   ")[0] if "skipped" in ln else ln) \
+            or "e-" in ln, ln
+    # train's labels fit their column: the longest one is right-aligned, not spilling over
+    assert "strata, buffer_centric mode" in out and "+strata.moe" not in out
+    for name in ("moe", "train"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+        for r in json.loads((tmp_path / f"{name}.json").read_text())["rows"]:
+            if r.get("speedup") is not None:
+                assert r["speedup"] > 0 and "speedup_within_noise" in r, r
+
+
+def test_speedup_within_noise_prints_as_such():
+    cell, sp, within = common.fmt_speedup(100.0, 95.0, 4.0, 3.0)
+    assert cell == "≈1" and within and sp == pytest.approx(100 / 95)
+    cell, sp, within = common.fmt_speedup(200.0, 100.0, 4.0, 3.0)
+    assert cell == "2.00" and not within
+    assert common.fmt_speedup(None, 1.0)[0] == "N/A"
+    assert common.fmt_time(294.61, 12.3) == "294.6 ±12.3" and common.fmt_time(2472.1, 120.4) == "2472 ±120"
+    assert common.fmt_time(None) == "N/A"
+
+
+def test_fit_width_wraps_comments_and_cuts_notes():
+    text = "# " + "word " * 60 + "\n" + " 4K 1.0" + " note" * 40
+    lines = common.fit_width(text, 60).splitlines()
+    assert all(len(ln) <= 60 for ln in lines) and lines[0].startswith("# ")
+    assert lines[-1].endswith("...") and all(ln.startswith("#") for ln in lines[:-1])
+
+
+def test_write_floor_is_a_minimum_and_cached():
+    a = common.write_floor_us(1 << 20)
+    assert a > 0 and common.write_floor_us(1 << 20) == a  # measured once per run
+    buf = np.ones(1 << 20, dtype=np.uint8)
+    import time as _time
+
+    t0 = _time.perf_counter()
+    buf.fill(3)
+    once = (_time.perf_counter() - t0) * 1e6
+    assert a <= once * 1.5 + 1  # the best of many fills is not slower than one fill
+
+
+def test_log_plot_marks_values_it_cannot_draw():
+    """On a log axis a missing or non-positive value is a marker at the axis bottom with a
+    legend entry, not a silently shorter line."""
+    plt = common.pyplot()
+    fig, ax = plt.subplots()
+    ax.set_yscale("log")
+    n = common.log_plot(ax, [1, 2, 3, 4], [1.0, None, 0.0, 2.0], key="strata")
+    assert n == 2
+    labels = [ln.get_label() for ln in ax.get_lines()]
+    assert labels[0] == "strata" and "no value" in labels[1]
+    assert list(ax.get_lines()[0].get_xdata()) == [1, 4]
+    assert list(ax.get_lines()[1].get_xdata()) == [2, 3]
+    plt.close(fig)
+
+
+def test_plots_use_style_labels(tmp_path):
+    """The collectives plot's legend reads style's labels ('strata', 'lax (XLA)'), not
+    'strata (strata)'."""
+    from benchmarks import style
+
+    rows = []
+    for size in (4096, 16384):
+        for impl, mode in (("lax", None), ("strata", "strata"), ("strata", "buffer_centric")):
+            rows.append({"op": "all_reduce", "impl": impl, "mode": mode, "size": size,
+                         "dtype": "float32", "redop": "sum", "status": "ok",
+                         "busbw": 0.0 if mode == "buffer_centric" and size == 4096 else 1.0,
+                         "s_bytes": size, "bus_factor": 1.75, "floor_us": 1.0})
+    report = common.Report("collectives", {"ops": ["all_reduce"], "modes": ["strata", "buffer_centric"],
+                                           "npus": 8, "dtype": "float32", "dtypes": ["float32"],
+                                           "redops": ["sum"]}, rows)
+    seen = {}
+    plt = common.pyplot()
+    orig = plt.Figure.savefig
+
+    def grab(fig, path, **kw):
+        seen["labels"] = [ln.get_label() for ax in fig.axes for ln in ax.get_lines()]
+        seen["title"] = fig._suptitle.get_text()
+        return orig(fig, path, **kw)
+
+    plt.Figure.savefig = grab
+    try:
+        collectives.plot(report, str(tmp_path / "c.png"))
+    finally:
+        plt.Figure.savefig = orig
+    assert style.series("lax")["label"] in seen["labels"]
+    assert "strata" in seen["labels"] and "strata (strata)" not in seen["labels"]
+    assert any("no value" in lbl for lbl in seen["labels"])  # the 0.0 busbw is marked
+    assert "no value" in seen["title"]
+    assert (tmp_path / "c.png").stat().st_size > 0

@@ -33,8 +33,8 @@ def test_moe_model_only_at_deepep_shape(tmp_path):
 
 def test_host_tables_carry_modeled_columns_and_train_writes_a_trace(tmp_path):
     out = run_cli("collectives", "-b", "4K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1",
-                  "--op", "all_reduce", "--mode", "all", "--no-progress", "--out", str(tmp_path))
-    assert "modeled on the supernode" in out and "bc/strata" in out
+                  "--op", "all_reduce", "--mode", "all", "--no-progress", "--verbose", "--out", str(tmp_path))
+    assert "modeled on the supernode" in out and "bc/strata" in out  # the details: --verbose
     rows = json.loads((tmp_path / "collectives.json").read_text())["rows"]
     strata_rows = [r for r in rows if r["impl"] == "strata" and r["status"] == "ok"]
     assert strata_rows and all(r["modeled_us"] > 0 for r in strata_rows)

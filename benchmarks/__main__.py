@@ -320,6 +320,11 @@ def tour_summary(reports: dict, npus: int, machine: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+# How common's argument helpers (split_list, parse_size, parse_mesh) word a bad value: a
+# ValueError worded so that a module's run raises is the user's flag, not a bug.
+ARGUMENT_ERRORS = ("bad --", "bad size ")
+
+
 def _only_lax(args) -> bool:
     impl = getattr(args, "impl", "all")
     return impl == "lax" or (isinstance(impl, (list, tuple)) and list(impl) == ["lax"])
@@ -337,7 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         if name != "latency" and not (name == "collectives" and collectives.isolated(args)) \
                 and not getattr(args, "model_only", False):
             common.setup_devices(npus_for(name, args))
-        run_one(name, args)
+        try:
+            run_one(name, args)
+        except ValueError as e:  # a flag checked only when the run reads it (no validate yet)
+            if not str(e).startswith(ARGUMENT_ERRORS):
+                raise
+            build_parser(name).error(str(e))
         return 0
     p = main_parser()
     targs = p.parse_args(argv)  # --help, a bad flag, or an unknown subcommand end here

@@ -58,6 +58,8 @@ def test_help_lists_every_subcommand_with_its_help():
     (["latency", "--chain", "2,3"], ["--chain"]),
     (["nosuch"], ["latency", "collectives"]),
     (["--npus", "many"], ["1..384"]),
+    # a flag another module checks only when its run reads it
+    (["collectives", "--mode", "x", "--npus", "8"], ["strata", "buffer_centric"]),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(argv, names):
     proc = run_cli(*argv, timeout=120)

@@ -568,9 +568,9 @@ def _table(rows: list[dict], n: int, k: int, verbose: bool = False) -> str:
                 notes.append(note if len(note) <= 116 else note[:113] + "...")
     cols = [Col("size", "size", "(B)", "", 5), Col("op", "op", "", "", 14),
             Col("pattern", "pattern", "", "", 11),
-            Col("strata", "strata", "(per op)", "", 17), Col("lax", "lax (XLA)", "(per op)", "", 17),
+            Col("strata", "strata", "(per op)", "", 19), Col("lax", "lax (XLA)", "(per op)", "", 19),
             Col("speedup", "speedup", "lax/strata", "", 11),
-            Col("ref", "meet ref", "(per op)", "", 17), Col("match", "match", "", "", 5)]
+            Col("ref", "meet ref", "(per op)", "", 19), Col("match", "match", "", "", 5)]
     footer = ["± noise: spread over rounds of program and launch times, / K; '< noise': the cost "
               "is within it",
               "meet ref: a reference, not a floor: the group meeting asynchronously with no op "
@@ -603,7 +603,7 @@ def _ref_table(rows: list[dict], n: int, k: int) -> str:
             line[key] = cost_text(have, key) if have else "N/A"
         out.append(line)
     cols = [Col("size", "size", "(B)", "", 5), Col("pattern", "pattern", "", "", 11),
-            *[Col(key, head, "(per op)", "", 17) for key, head in REFS],
+            *[Col(key, head, "(per op)", "", 19) for key, head in REFS],
             Col("launch", "launch", "(program)", "", 17)]
     return common.render_table(
         cols, out, title=f"{n} emulated NPUs, references (same pattern, same K={k}): measured "

@@ -288,12 +288,12 @@ def tour_summary(reports: dict, npus: int, machine: dict | None = None) -> str:
                     lines += _wrap(f"  training step   host: {r['step_ms']:.2f} ms, "
                                    f"{r['speedup']:.2f}x lax", 18)
                 if r.get("traced_ops"):
+                    st_us = (r.get("modeled_comm_strata_ms") or math.nan) * 1e3
+                    bc_us = (r.get("modeled_comm_buffer_centric_ms") or math.nan) * 1e3
                     lines += _wrap(f"                  {r['traced_ops']} strata ops: "
                                    f"{_num(r.get('traced_host_comm_ms'), '.2f')} ms on this host; "
-                                   f"modeled {_num((r.get('modeled_comm_strata_ms') or math.nan) * 1e3, '.1f')}"
-                                   f" us on the supernode (buffer_centric "
-                                   f"{_num((r.get('modeled_comm_buffer_centric_ms') or math.nan) * 1e3, '.1f')}"
-                                   f" us)", 18)
+                                   f"modeled {_num(st_us, '.1f')} us on the supernode "
+                                   f"(buffer_centric {_num(bc_us, '.1f')} us)", 18)
                 if r.get("modeled_step_ms"):
                     lines += _wrap(f"                  the whole step modeled (compute + communication): "
                                    f"{r['modeled_step_ms'] * 1e3:.1f} us, "

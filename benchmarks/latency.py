@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import tempfile
 from typing import Callable
@@ -564,7 +563,8 @@ def _table(rows: list[dict], n: int, k: int, verbose: bool = False) -> str:
                     "match": "-" if match is None else ("yes" if match else "NO")})
         for impl, r in (("strata", s), ("lax", lx)):
             if r and r.get("status") != "ok":
-                note = f"{style.size_label(size)} {op} {pattern} {impl}: {r.get('status')} ({r.get('reason')})"
+                note = (f"{style.size_label(size)} {op} {pattern} {impl}: {r.get('status')} "
+                        f"({r.get('reason')})")
                 notes.append(note if len(note) <= 116 else note[:113] + "...")
     cols = [Col("size", "size", "(B)", "", 5), Col("op", "op", "", "", 14),
             Col("pattern", "pattern", "", "", 11),

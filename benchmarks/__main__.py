@@ -17,7 +17,7 @@ import time
 from . import collectives, common, latency, moe, serve, style, train
 
 SUBCOMMANDS = {
-    "collectives": (collectives, "nccl-tests-style sweeps: strata vs lax vs memory floor"),
+    "collectives": (collectives, "nccl-tests-style sweeps: strata vs lax, with a lower bound (floor)"),
     "moe": (moe, "MoE dispatch/combine/layer, strata vs the lax all_to_all reference"),
     "train": (train, "one MoE training step with strata vs lax collectives"),
     "latency": (latency, "per-op cost of small ops inside one program at 8/64/384 NPUs, with references"),
@@ -262,20 +262,29 @@ def tour_summary(reports: dict, npus: int, machine: dict | None = None) -> str:
         mine = [r for r in rows if r.get("mode") == "strata"]
         for op in dict.fromkeys(r.get("op") for r in mine):
             rs = [r for r in mine if r.get("op") == op]
-            sp = _geomean([r.get("speedup") for r in rs])
+            clear = [r for r in rs if r.get("speedup") and not r.get("speedup_within_noise")]
+            sp = _geomean([r.get("speedup") for r in clear])
             big = max(rs, key=lambda r: r.get("size") or 0)
             model = (f"modeled at {style.size_label(big.get('size') or 0)}: "
                      f"{big['modeled_busbw']:.3g} GB/s busbw, buffer_centric "
                      f"{_num(big.get('modeled_bc_ratio'), '.2f')}x slower"
                      if big.get("modeled_busbw") else "no model")
-            host = f"{sp:.2f}x lax (geomean over sizes)" if sp else "no lax peer"
+            noisy = sum(1 for r in rs if r.get("speedup_within_noise"))
+            if sp:
+                host = (f"{sp:.2f}x lax (geomean over {len(clear)} sizes"
+                        + (f"; {noisy} within noise, ≈1)" if noisy else ")"))
+            elif noisy:
+                host = "≈1x lax (every size within noise)"
+            else:
+                host = "no lax peer"
             lines += _wrap(f"  {op:<15} host: {host}; {model}", 18)
     moe_r = reports.get("moe")
     if moe_r is not None:
         for r in moe_r.rows:
             if r.get("impl") == "strata" and r.get("mode") == "strata" and r.get("status") == "ok" \
                     and r.get("op") in ("dispatch", "combine"):
-                sp = f"{r['speedup']:.2f}x lax" if r.get("speedup") else "no lax peer"
+                sp = ("≈1x lax (within noise)" if r.get("speedup_within_noise")
+                      else f"{r['speedup']:.2f}x lax" if r.get("speedup") else "no lax peer")
                 mod = (f"modeled {r['modeled_us']:.1f} us, buffer_centric "
                        f"{_num(r.get('modeled_bc_ratio'), '.2f')}x slower"
                        if r.get("modeled_us") else "no model")
@@ -285,8 +294,9 @@ def tour_summary(reports: dict, npus: int, machine: dict | None = None) -> str:
         for r in tr.rows:
             if r.get("impl") == "strata" and r.get("mode") == "strata" and r.get("status") == "ok":
                 if r.get("speedup") and r.get("step_ms"):
-                    lines += _wrap(f"  training step   host: {r['step_ms']:.2f} ms, "
-                                   f"{r['speedup']:.2f}x lax", 18)
+                    vs = ("≈1x lax (within noise)" if r.get("speedup_within_noise")
+                          else f"{r['speedup']:.2f}x lax")
+                    lines += _wrap(f"  training step   host: {r['step_ms']:.2f} ms, {vs}", 18)
                 if r.get("traced_ops"):
                     st_us = (r.get("modeled_comm_strata_ms") or math.nan) * 1e3
                     bc_us = (r.get("modeled_comm_buffer_centric_ms") or math.nan) * 1e3

@@ -492,7 +492,7 @@ def _op_rows_inprocess(op, args, dtype, n, shape, names, sizes, variants, tick, 
 
     The machine is shared and drifts by tens of percent over seconds, so comparing blocks timed
     minutes apart says more about the machine than about the op: each of --repeats rounds times
-    one block of every variant, of the launch reference and of the memory floor, back to back,
+    one block of every variant, of the launch reference and of the memory reference, back to back,
     and every figure is the median over the rounds."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -6,6 +6,7 @@ pool size are fixed when the backend starts, so `setup_devices` must run first.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime as _dt
 import json
@@ -185,7 +186,10 @@ def one_line_errors(p, validate: Callable | None = None) -> None:
 
         def parse_known_args(args=None, namespace=None):
             ns, extra = parse_known(args, namespace)
-            validate(ns, p)
+            try:
+                validate(ns, p)
+            except (ValueError, argparse.ArgumentTypeError) as e:  # one line, exit 2
+                p.error(str(e))
             return ns, extra
 
         p.parse_known_args = parse_known_args
@@ -464,7 +468,8 @@ FLOOR_WINDOW_BYTES = 256 << 20
 def floor_copy_us(nbytes_read_plus_written: int, ranks: int = 1, out_bytes: int = 0,
                   in_bytes: int = 0, min_reps: int = 3, min_seconds: float = 0.02,
                   max_reps: int = 50, threads: int | None = None) -> float:
-    """Time of the memory floor: np.copyto calls laid out like the op, on every core.
+    """Time of the memory reference (not a lower bound: strata can beat it): np.copyto calls
+    laid out like the op, on every core.
 
     Each of `ranks` ranks fills its whole output (`out_bytes`, the op's per-rank output size;
     at least 1/(2*ranks) of the op's minimal traffic, so the copies move at least half of it)

@@ -18,8 +18,8 @@ What it measures (issue: small collectives near the limit):
   references of its own pattern: independent ops cost XLA more than chained ones even when
   the op does nothing (its thunk executor runs a graph, not a sequence).
 - Noise: a per-op cost is a difference of two noisy timings. Its noise (*_spread_us) is the
-  spread over rounds of the program's time plus that of the launch blocks paired with it,
-  over K, and never less than the launch's block-to-block jitter over K. A cost within its
+  spread over rounds of that difference (each program block minus the launch block timed just
+  before it), over K, and never less than the launch's block-to-block jitter over K. A cost within its
   noise prints as '< noise (±x us)', and a speedup only when both costs stand above theirs;
   the JSON/CSV keep the raw numbers, negative ones included.
 - Every measurement of one NPU count runs in one child process in interleaved rounds (each
@@ -357,11 +357,13 @@ def measure(args, n: int, ops: list[str], impls: list[str], patterns: list[str])
 
         def noise(key):
             """Noise of one per-op cost, a difference of two timings over K: the spread over
-            rounds of the program's time plus that of the launch blocks paired with it, divided
-            by K; never less than the launch's block-to-block jitter / K."""
+            rounds of that difference (program minus the launch block timed just before it:
+            the two rise and fall together with the machine's load, so the paired difference
+            is what varies), divided by K; never less than the launch's block-to-block
+            jitter / K, so one round still carries a noise."""
             if key not in med:
                 return None
-            rounds = style.spread(prog_samples[key]) + style.spread(paired_launch[key])
+            rounds = style.spread([p - q for p, q in zip(prog_samples[key], paired_launch[key])])
             return max(rounds, launch_jitter) / k
 
         for op in ops:
@@ -571,8 +573,8 @@ def _table(rows: list[dict], n: int, k: int, verbose: bool = False) -> str:
             Col("strata", "strata", "(per op)", "", 19), Col("lax", "lax (XLA)", "(per op)", "", 19),
             Col("speedup", "speedup", "lax/strata", "", 11),
             Col("ref", "meet ref", "(per op)", "", 19), Col("match", "match", "", "", 5)]
-    footer = ["± noise: spread over rounds of program and launch times, / K; '< noise': the cost "
-              "is within it",
+    footer = ["± noise: spread over rounds of (program - launch), / K, at least the launch's jitter / K; "
+              "'< noise': within it",
               "meet ref: a reference, not a floor: the group meeting asynchronously with no op "
               "(all_gather: out fill)",
               "--verbose: the copy call, barrier, async meet and out fill references and the launch",

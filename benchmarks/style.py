@@ -16,7 +16,7 @@ SERIES: dict[str, tuple[str, str]] = {
     "strata": ("strata", "tab:blue"),
     "buffer_centric": ("strata, buffer_centric mode", "tab:orange"),
     "strata+arena": ("strata, arena inputs", "tab:cyan"),
-    "floor": ("memory floor", "black"),
+    "floor": ("floor (lower bound)", "black"),
     "reference": ("memory reference", "black"),
     "modeled": ("modeled on CloudMatrix384", "tab:purple"),
     "modeled_buffer_centric": ("modeled, buffer_centric", "tab:red"),

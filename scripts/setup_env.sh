@@ -38,7 +38,7 @@ log=build/setup-build.log
 if ls build/cp*/build.ninja >/dev/null 2>&1; then
   say "building the C++ extension (only what changed; the full log is in $log)"
 else
-  say "building the C++ extension: the first build takes ~4 min on 2 cores (full log: $log)"
+  say "building the C++ extension: the first build takes 1-4 min on 2 cores (full log: $log)"
 fi
 # -v lets CMake's progress through; show ninja's [k/n] lines and keep the rest in the log.
 set +e

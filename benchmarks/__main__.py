@@ -148,7 +148,8 @@ def tour(targs) -> int:
         if targs.no_progress:
             argv.append("--no-progress")
         args = parse(name, argv)
-        print(f"\n## {name}: python -m benchmarks {name} {' '.join(argv)}\n", flush=True)
+        command = _wrap(f"#   python -m benchmarks {name} {' '.join(argv)}", 6)
+        print(f"\n## {name}\n" + "\n".join(command) + "\n", flush=True)
         report = run_one(name, args)
         reports[name] = report
         md += [f"## {name}", "", "```", f"python -m benchmarks {name} {' '.join(argv)}", "```",

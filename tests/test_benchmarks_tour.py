@@ -230,3 +230,18 @@ def test_latency_default_output_is_narrow_and_never_negative(tmp_path):
         assert len(r["program_rounds_us"]) == len(r["launch_rounds_us"]) == 2, r
     strata_rows = [r for r in data["rows"] if r["impl"] == "strata"]
     assert all("speedup" in r for r in strata_rows)
+
+
+def test_the_quick_tour_reads_well_end_to_end(tmp_path):
+    """The README's main job at its smallest: every line fits 120 columns, no negative number
+    anywhere in what it prints, the summary is there and every subcommand wrote its plot."""
+    proc = run_cli("--quick", "--no-progress", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "# What the tour found" in lines
+    wide = [ln for ln in lines if len(ln) > 120]
+    assert not wide, wide
+    negative = [ln for ln in lines if NEGATIVE.search(ln)]
+    assert not negative, negative
+    for name in ("collectives", "moe", "train", "latency", "serve"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0, name

@@ -832,7 +832,8 @@ def write_outputs(report: Report, args, plot_fn: Callable[[Report, str], None] |
     if paths["plot"] and plot_fn is not None:
         try:
             plot_fn(report, paths["plot"])
-            written.append(paths["plot"])
+            if os.path.exists(paths["plot"]):  # some reports have no plot (--processes)
+                written.append(paths["plot"])
         except Exception as e:  # a plot must never cost the measurements
             print(f"# warning: plot failed: {one_line(e)}", file=sys.stderr)
             traceback.print_exc(file=sys.stderr)

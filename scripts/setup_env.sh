@@ -47,7 +47,7 @@ pip_pid=$!
 shown=0
 show_progress() {  # print the ninja [k/n] lines that arrived since the last call
   local lines
-  lines=$(grep -cE '^ *\[[0-9]+/[0-9]+\]' "$log" 2>/dev/null)
+  lines=$(grep -cE '^ *\[[0-9]+/[0-9]+\]' "$log" 2>/dev/null || true)  # none yet: grep exits 1
   if [ "${lines:-0}" -gt "$shown" ]; then
     grep -E '^ *\[[0-9]+/[0-9]+\]' "$log" | sed -n "$((shown + 1)),\$p" | sed 's/^ */[setup]   /' | cut -c1-110
     shown=$lines
@@ -61,7 +61,7 @@ wait "$pip_pid"
 status=$?
 set -e
 show_progress
-grep -q "ninja: no work to do" "$log" && say "the extension is up to date"
+if grep -q "ninja: no work to do" "$log"; then say "the extension is up to date"; fi
 if [ "$status" -ne 0 ]; then
   say "the build failed (exit $status); the end of $log:"
   tail -40 "$log"

@@ -265,11 +265,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"emulated NPUs (8; up to {common.MAX_NPUS})")
     p.add_argument("--mesh", type=common.mesh_arg, default=None,
                    help="mesh shape, e.g. 2x4 (default: 1-D of --npus)")
-    p.add_argument("--mode", default="strata",
-                   type=common.list_arg(("strata", "buffer_centric"), "--mode"),
-                   help="strata, buffer_centric, or all")
-    p.add_argument("--impl", default="all", type=common.list_arg(("strata", "lax"), "--impl"),
-                   help="strata, lax, or all")
+    common.add_mode_impl_args(p)
     p.add_argument("--alloc", default="both", choices=("both", "jax", "strata"),
                    help="inputs of every row from plain jax.device_put (jax) or from "
                         "strata.memory arenas (strata); both (default): plain inputs for every "
@@ -303,10 +299,6 @@ def validate(args, p: argparse.ArgumentParser) -> None:
                 f"the sweep runs from -b up to -e")
     if args.stepfactor <= 0:
         p.error("-f must be > 0")
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
-    if args.sync_every < 1:
-        p.error("--sync-every must be >= 1")
     if args.blocking:
         args.sync_every = 1
     shape = common.parse_mesh(args.mesh)

@@ -799,13 +799,22 @@ def pyplot():
 
 
 def add_timing_args(p, repeats: int = 1, repeats_help: str = "") -> None:
-    p.add_argument("--repeats", type=int, default=repeats,
+    p.add_argument("--repeats", type=int_at_least(1), default=repeats,
                    help=repeats_help or f"timed blocks of -n calls; the median block is "
                                         f"reported ({repeats})")
-    p.add_argument("--sync-every", type=int, default=SYNC_EVERY,
+    p.add_argument("--sync-every", type=int_at_least(1), default=SYNC_EVERY,
                    help=f"block on the result every K timed calls ({SYNC_EVERY}; 1 = each)")
     p.add_argument("--max-seconds", type=float, default=0.0,
                    help="cap one measurement near this many seconds by lowering -n (0: off)")
+
+
+def add_mode_impl_args(p) -> None:
+    """--mode and --impl, as collectives, moe and train take them."""
+    p.add_argument("--mode", default="strata",
+                   type=list_arg(("strata", "buffer_centric"), "--mode"),
+                   help="strata, buffer_centric, or all")
+    p.add_argument("--impl", default="all", type=list_arg(("strata", "lax"), "--impl"),
+                   help="strata, lax, or all")
 
 
 def add_output_args(p) -> None:

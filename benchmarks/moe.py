@@ -169,13 +169,13 @@ def np_combine(ey_all, w_all, e, slot, acc, dtype):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank (1024)")
-    p.add_argument("--hidden", type=int, default=1024, help="hidden size H (1024)")
-    p.add_argument("--topk", type=int, default=8, help="experts per token (8)")
-    p.add_argument("--experts", type=int, default=64, help="experts in all (64)")
+    p.add_argument("--tokens", type=common.int_at_least(1), default=1024, help="tokens per rank (1024)")
+    p.add_argument("--hidden", type=common.int_at_least(1), default=1024, help="hidden size H (1024)")
+    p.add_argument("--topk", type=common.int_at_least(1), default=8, help="experts per token (8)")
+    p.add_argument("--experts", type=common.int_at_least(1), default=64, help="experts in all (64)")
     p.add_argument("--capacity-factor", type=float, default=1.25,
                    help="capacity = ceil(cf * N * tokens * topk / experts) rows per expert")
-    p.add_argument("--ffn", type=int, default=256, help="expert FFN width for the layer (256)")
+    p.add_argument("--ffn", type=common.int_at_least(1), default=256, help="expert FFN width for the layer (256)")
     p.add_argument("--npus", type=common.int_at_least(1), default=8, help="emulated NPUs (8)")
     p.add_argument("-d", "--datatype", default="float32",
                    choices=("float32", "float16", "bfloat16", "float64", "float", "half", "bf16",
@@ -187,11 +187,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results")
     p.add_argument("--ops", default="all", type=common.list_arg(MOE_OPS, "--ops"),
                    help="comma list of dispatch, combine, layer; or all")
-    p.add_argument("--mode", default="strata",
-                   type=common.list_arg(("strata", "buffer_centric"), "--mode"),
-                   help="strata, buffer_centric, or all")
-    p.add_argument("--impl", default="all", type=common.list_arg(("strata", "lax"), "--impl"),
-                   help="strata, lax, or all")
+    common.add_mode_impl_args(p)
     p.add_argument("--seed", type=int, default=0)
     common.add_timing_args(p)
     modeled.add_model_args(p, npus_default="8,16,32,64,128", sizes=False)
@@ -201,11 +197,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def validate(args, p) -> None:
     """Checks across arguments: one line and exit status 2, before any device starts."""
-    for flag in ("tokens", "hidden", "topk", "experts", "ffn"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag} must be >= 1")
-    if args.repeats < 1 or args.sync_every < 1:
-        p.error("--repeats and --sync-every must be >= 1")
     if getattr(args, "model_only", False):
         return
     if args.experts % args.npus:

@@ -109,11 +109,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="--model-only: sequences per NPU (910C package) in one step (2)")
     p.add_argument("--seq", type=int, default=4096, help="--model-only: sequence length (4096)")
     add_model_args(p, capacity=False)
-    p.add_argument("--tokens", type=int, default=512, help="tokens per rank (512)")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size (256)")
-    p.add_argument("--ffn", type=int, default=512, help="expert FFN width (512)")
-    p.add_argument("--experts", type=int, default=16, help="experts in all (16)")
-    p.add_argument("--topk", type=int, default=2, help="experts per token (2)")
+    p.add_argument("--tokens", type=common.int_at_least(1), default=512, help="tokens per rank (512)")
+    p.add_argument("--hidden", type=common.int_at_least(1), default=256, help="hidden size (256)")
+    p.add_argument("--ffn", type=common.int_at_least(1), default=512, help="expert FFN width (512)")
+    p.add_argument("--experts", type=common.int_at_least(1), default=16, help="experts in all (16)")
+    p.add_argument("--topk", type=common.int_at_least(1), default=2, help="experts per token (2)")
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--npus", type=common.int_at_least(1), default=None,
@@ -123,11 +123,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="warm-up steps (2)")
     p.add_argument("-c", "--check", type=int, default=1, choices=(0, 1),
                    help="compare one strata step with the lax step")
-    p.add_argument("--mode", default="strata",
-                   type=common.list_arg(("strata", "buffer_centric"), "--mode"),
-                   help="strata, buffer_centric, or all")
-    p.add_argument("--impl", default="all", type=common.list_arg(("strata", "lax"), "--impl"),
-                   help="strata, lax, or all")
+    common.add_mode_impl_args(p)
     p.add_argument("--strata-moe", action=argparse.BooleanOptionalAction, default=True,
                    help="the strata backend uses strata.moe.dispatch/combine, as a strata user "
                         "would (default); --no-strata-moe builds them from strata collectives")
@@ -145,11 +141,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def validate(args, p) -> None:
     """Checks across arguments: one line and exit status 2, before any device starts."""
-    for flag in ("tokens", "hidden", "ffn", "experts", "topk"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag} must be >= 1")
-    if args.repeats < 1 or args.sync_every < 1:
-        p.error("--repeats and --sync-every must be >= 1")
     if args.model_only:
         return
     n = args.npus if args.npus is not None else 8

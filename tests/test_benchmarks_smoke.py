@@ -20,12 +20,17 @@ sys.path.insert(0, str(ROOT))  # `benchmarks` is a top-level folder of the repo,
 from benchmarks import collectives, common  # noqa: E402
 
 
-def run_cli(*argv, timeout=300):
+def run_cli_raw(*argv, timeout=300):
+    """`python -m benchmarks ARGV` as a user runs it, from the checkout; the finished process."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_cli(*argv, timeout=300):
+    proc = run_cli_raw(*argv, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -234,14 +239,6 @@ def test_latency_peer_child_that_outlives_its_timeout_reads_timed_out(monkeypatc
 import re  # noqa: E402
 
 WIDTH = 120
-
-
-def run_cli_raw(*argv, timeout=300):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -6,9 +6,7 @@ marks rather than drops the costs within the noise.
 Fast: one small latency run (8 NPUs, two ops) in a subprocess; the rest is pure Python."""
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,14 +19,7 @@ from benchmarks import __main__ as cli  # noqa: E402
 from benchmarks import common, latency, style  # noqa: E402
 
 NEGATIVE = re.compile(r"(?<![\w.])[-\u2212]\s?\d")  # "-5.4", "- 5", "−20.5"; not "1-minute"
-
-
-def run_cli(*argv, timeout=300):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "benchmarks", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+from test_benchmarks_smoke import run_cli_raw as run_cli  # noqa: E402 - the finished process
 
 
 # ----------------------------------------------------------------------------------------------

@@ -238,10 +238,8 @@ def _model_collective(op, bytes_per_rank, n, mode, sp, dtype, settings, keep_sli
             raise TypeError(f"strata.emulator.model({op!r}): bool cannot be reduced")
     if op == "broadcast" and not 0 <= root < n:
         raise ValueError(f"strata.emulator.model('broadcast'): root {root} is outside 0..{n - 1}")
-    count = asked // itemsize
     split = op in ("reduce_scatter", "all_to_all")  # the input splits into n equal blocks
-    if split:
-        count -= count % n
+    count = round_bytes(op, asked, n, dtype) // itemsize
     if asked and not count:
         unit = f"{n} elements of {dtype} ({n * itemsize} B), one per rank" if split else f"one {dtype} element ({itemsize} B)"
         raise ValueError(f"{name}: bytes_per_rank={bytes_per_rank!r} rounds to zero: the op moves at least {unit}")

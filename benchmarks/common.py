@@ -103,8 +103,6 @@ def impls_from_arg(text: str) -> list[str]:
 
 def size_arg(text: str) -> int:
     """argparse type of -b/-e: '4K' -> 4096; a bad size is a one-line usage error."""
-    import argparse
-
     try:
         v = parse_size(text)
     except ValueError as e:
@@ -118,7 +116,7 @@ def sizes_arg(text: str) -> str:
     """argparse type of --sizes: checks every item, returns the text (callers split it)."""
     items = [t for t in str(text).split(",") if t.strip()]
     if not items:
-        raise __import__("argparse").ArgumentTypeError("empty --sizes")
+        raise argparse.ArgumentTypeError("empty --sizes")
     for t in items:
         size_arg(t)
     return text
@@ -127,8 +125,6 @@ def sizes_arg(text: str) -> str:
 def list_arg(allowed: Sequence[str], what: str, aliases: dict | None = None):
     """argparse type of a comma list of `allowed` names (or 'all'): returns the text unchanged
     (run() splits it with split_list), or a one-line error naming the valid choices."""
-    import argparse
-
     def check(text: str) -> str:
         items = [t.strip() for t in str(text).split(",") if t.strip()]
         bad = [t for t in items if t != "all" and t not in allowed and t not in (aliases or {})]
@@ -147,8 +143,6 @@ def list_arg(allowed: Sequence[str], what: str, aliases: dict | None = None):
 
 
 def mesh_arg(text: str) -> str:
-    import argparse
-
     try:
         parse_mesh(text)
     except ValueError as e:
@@ -157,8 +151,6 @@ def mesh_arg(text: str) -> str:
 
 
 def int_at_least(lo: int):
-    import argparse
-
     def check(text: str) -> int:
         try:
             v = int(text)

@@ -65,17 +65,11 @@ def build_parser(name: str) -> argparse.ArgumentParser:
 def parse(name: str, argv: list[str]) -> argparse.Namespace:
     """The subcommand's arguments; any bad value is one line from its parser and exit 2.
 
-    Type functions raise argparse.ArgumentTypeError (argparse reports it); a ValueError or
-    ArgumentTypeError from a module's `validate(args, parser)` (checks across arguments)
-    becomes parser.error as well."""
+    Type functions raise argparse.ArgumentTypeError (argparse reports it); checks across
+    arguments run in the module's `validate(args, parser)`, which its add_args installs with
+    common.one_line_errors, so they run on every parse (here and under the top-level parser)."""
     p = build_parser(name)
     args = p.parse_args(argv)
-    validate = getattr(SUBCOMMANDS[name][0], "validate", None)
-    if validate is not None:
-        try:
-            validate(args, p)
-        except (ValueError, argparse.ArgumentTypeError) as e:
-            p.error(str(e))
     args._argv = list(argv)  # child processes of an isolated run repeat it with overrides
     return args
 

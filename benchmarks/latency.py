@@ -120,6 +120,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)  # NPUs of a child
     p.add_argument("--rows-jsonl", default=None, help=argparse.SUPPRESS)  # child -> parent
     common.add_output_args(p)
+    common.one_line_errors(p, validate)
 
 
 def validate(args, parser: argparse.ArgumentParser) -> None:

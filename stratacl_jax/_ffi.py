@@ -4,7 +4,6 @@ the twin's varying/invariant typing, CPU lowering, AD and batching rules), and
 issue the FFI custom call with the attributes the C++ runtime needs."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Sequence
 
@@ -20,6 +19,8 @@ from . import _config
 from . import _core
 from . import _lax_routing
 from . import _multiprocess
+# The op modules (and moe.py) reach these as _ffi.*, beside the rest of the machinery.
+from ._group import GroupSpec, make_varying, varying_axes  # noqa: F401
 
 # Register every handler once, for the CPU platform (emulated NPUs are CPU devices).
 # The state type first: each target's instantiate stage gives every custom-call
@@ -125,25 +126,6 @@ def split_axes(opname: str, axes: tuple) -> tuple[tuple, tuple]:
     return tuple(a for a in axes if a not in vmapped), tuple(vmapped)
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupSpec:
-    """A collective's group as static (hashable) primitive parameters: the
-    axes it spans, their size, the other manual axes (which tell groups
-    apart) and the mesh's device count."""
-    axes: tuple
-    size: int
-    others: tuple
-    num_devices: int
-
-    def rank(self):
-        return lax.axis_index(self.axes)
-
-    def meta(self):
-        """(rank in group, group id) as the int32 operand the handler reads."""
-        group = lax.axis_index(self.others) if self.others else jnp.int32(0)
-        return jnp.stack([self.rank(), group]).astype(jnp.int32)
-
-
 class Group(GroupSpec):
     """The caller's group for a collective over `axes` of the current mesh;
     raises the op's error when there is none."""
@@ -179,20 +161,6 @@ def local_mesh_devices(mesh_size: int) -> int:
     if _multiprocess.process_count() <= 1:
         return mesh_size
     return min(mesh_size, jax.local_device_count())
-
-
-def varying_axes(x) -> frozenset:
-    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
-
-
-def make_varying(x, axes: Sequence):
-    """Types x as varying over `axes` (as lax does before a collective)."""
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def vma_checked(x, axes) -> bool:

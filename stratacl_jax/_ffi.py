@@ -4,7 +4,9 @@ the twin's varying/invariant typing, CPU lowering, AD and batching rules), and
 issue the FFI custom call with the attributes the C++ runtime needs."""
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from typing import Sequence
 
 import jax
@@ -17,7 +19,6 @@ from jax.sharding import AxisType
 
 from . import _config
 from . import _core
-from . import _lax_routing
 from . import _multiprocess
 # The op modules (and moe.py) reach these as _ffi.*, beside the rest of the machinery.
 from ._group import GroupSpec, make_varying, varying_axes  # noqa: F401
@@ -214,6 +215,26 @@ def timeout_ms(settings) -> np.int64:
     return np.int64(max(1, round(settings.timeout_s * 1000)))
 
 
+_own = threading.local()
+
+
+@contextlib.contextmanager
+def _lowering_own():
+    prev = getattr(_own, "lowering", False)
+    _own.lowering = True
+    try:
+        yield
+    finally:
+        _own.lowering = prev
+
+
+def lowering_own() -> bool:
+    """True while strata lowers one of its own primitives on this thread: the
+    lax collectives bound then (its cross-process steps use them on purpose)
+    stay lax's (_lax_routing reads this)."""
+    return getattr(_own, "lowering", False)
+
+
 def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None):
     """A JAX primitive for one collective: abstract evaluation, a CPU lowering
     (`lower(*operands, **params)` traced into the FFI call), and the rules.
@@ -226,7 +247,7 @@ def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batc
     def rule(ctx, *args, **params):
         # The mesh's process layout and the op's source location, for ops
         # whose group crosses processes (_multiprocess.split) and site ids.
-        with _multiprocess.lowering(ctx), _lax_routing.suspended():
+        with _multiprocess.lowering(ctx), _lowering_own():
             return lowered(ctx, *args, **params)
 
     mlir.register_lowering(p, rule, platform="cpu")

@@ -5,9 +5,10 @@ issue the FFI custom call with the attributes the C++ runtime needs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -235,11 +236,36 @@ def lowering_own() -> bool:
     return getattr(_own, "lowering", False)
 
 
-def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None):
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """One of strata's ops, as its module defined it."""
+    primitive: Primitive
+    lower: Callable  # lower(*operands, **params): the lowering's body, for ops composed of others
+    api: Callable | None  # the public function (strata.all_gather, ...)
+
+
+# Strata's ops by primitive name. An op's rules reach another op (a transpose
+# its twin, a JVP a gather) through here instead of importing its module, as
+# lax's rules name their twins' primitives: the op modules import none of each
+# other. Every op module is imported with the package, before any rule runs.
+_REGISTRY: dict[str, Registered] = {}
+
+
+def registered(name: str) -> Registered:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise LookupError(f"no strata primitive {name!r} is registered; registered: {sorted(_REGISTRY)}") from None
+
+
+def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None, api=None):
     """A JAX primitive for one collective: abstract evaluation, a CPU lowering
     (`lower(*operands, **params)` traced into the FFI call), and the rules.
     Without `jvp` the op is linear (the JVP applies it to the tangent) and
-    `transpose(ct, *operands, **params)` is its transpose."""
+    `transpose(ct, *operands, **params)` is its transpose. Registered under
+    `name` with its public function `api` (see `registered`)."""
+    if name in _REGISTRY:
+        raise ValueError(f"strata primitive {name!r} is defined twice")
     p = Primitive(name)
     p.def_abstract_eval(abstract_eval)
     lowered = mlir.lower_fun(lower, multiple_results=False)
@@ -259,8 +285,21 @@ def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batc
             ad.primitive_transposes[p] = transpose
     if batch is not None:
         batching.fancy_primitive_batchers[p] = batch
+    _REGISTRY[name] = Registered(p, lower, api)
     return p
 
 
 def move_batch_to_front(x, d):
     return x if d == 0 else jnp.moveaxis(x, d, 0)
+
+
+# ---------------------------------------------------------------------------
+# Rules several ops share
+
+
+def product_of_others(x, group):
+    """Π_{s≠r} x_s on rank r, exact (no division, so zeros are fine): the
+    tangent weight of a product (all_reduce's and reduce_scatter's JVPs)."""
+    everyone = registered("strata_all_gather").api(x, group.axes)
+    own = (jnp.arange(group.size) == group.rank()).reshape((-1,) + (1,) * x.ndim)
+    return jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)

@@ -37,7 +37,10 @@ cmake --build "$build" > "$build.build.log" 2>&1 || { tail -50 "$build.build.log
 shadow="$build/pythonpath/stratacl_jax"
 rm -rf "$build/pythonpath"
 mkdir -p "$shadow"
-for f in stratacl_jax/*.py; do ln -s "$PWD/$f" "$shadow/"; done
+for f in $(cd stratacl_jax && find . -name '*.py' -not -path '*/__pycache__/*'); do  # subpackages too
+  mkdir -p "$shadow/$(dirname "$f")"
+  ln -s "$PWD/stratacl_jax/$f" "$shadow/$f"
+done
 cp "$build"/stratacl_jax/_core*.so "$shadow/"
 # The editable install's import hook resolves stratacl_jax to the source tree
 # whatever PYTHONPATH says; drop it so the shadow package is the one found.

@@ -141,8 +141,7 @@ def _transpose(ct, operand, output, input_offsets, send_sizes, output_offsets, r
     if type(ct) is ad.Zero:
         return [ad.Zero(operand.aval) if want_operand else None,
                 ad.Zero(output.aval) if want_output else None] + [None] * 4
-    from .all_to_all import all_to_all
-
+    all_to_all = _ffi.registered("strata_all_to_all").api
     # Where this rank received (the senders' output_offsets for it), and where
     # each sender took those rows from.
     received_at = all_to_all(output_offsets, group.axes, 0, 0, tiled=True)
@@ -186,4 +185,4 @@ def _batch(axis_data, vals, dims, *, group, settings):
 
 
 ragged_p = _ffi.primitive("strata_ragged_all_to_all", _abstract_eval, _lower, jvp=_jvp, transpose=_transpose,
-                          batch=_batch)
+                          batch=_batch, api=ragged_all_to_all)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _config
-from . import _core
+from .. import _config
+from .. import _core
+from .spec import preset
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
 MOE_OPS = ("moe_dispatch", "moe_combine", "moe_combine_backward")
@@ -195,8 +196,6 @@ def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: st
     token), `capacity=` (default: no drops), `seed=`.
     The `strata.config` settings to assume default to those in force.
     """
-    from .emulator import preset
-
     sp = preset(spec)
     if mode not in MODES:
         raise ValueError(f"strata.emulator.model: mode must be one of {MODES}, got {mode!r}")

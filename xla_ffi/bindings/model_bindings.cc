@@ -9,8 +9,10 @@
 #include <vector>
 
 #include "../algorithms/algorithms.h"
+#include "../algorithms/moe.h"
 #include "../model/model.h"
 #include "../model/trace_log.h"
+#include "../runtime/observer.h"
 
 namespace nb = nanobind;
 using namespace strata;
@@ -239,7 +241,7 @@ nb::list TakeRecords() {
     d["arrive_us"] = r.arrive_us;
     d["end_us"] = r.end_us;
     d["ok"] = r.ok;
-    if (r.kind == kCollective) {
+    if (r.kind == ObservedOp::kCollective) {
       const OpParams& p = r.op;
       d["op_kind"] = static_cast<int>(p.kind);
       d["dtype"] = static_cast<int>(p.dtype);
@@ -257,7 +259,7 @@ nb::list TakeRecords() {
       d["planner"] = static_cast<int>(p.planner);
       d["comm_buffer_bytes"] = p.comm_buffer_bytes;
     } else {
-      const MoeParams& p = r.moe;
+      const MoeOpShape& p = r.moe;
       d["group_size"] = p.group_size;
       d["num_experts"] = p.num_experts;
       d["capacity"] = p.capacity;
@@ -285,7 +287,7 @@ void BindModel(nb::module_& m) {
   m.def("model_moe", &ModelMoe);
   m.def("model_pieces", &ModelPieces);
   m.def("moe_pair_slots", &PairSlots);
-  m.def("trace_enable", [](bool on) { SetTraceEnabled(on); });
+  m.def("trace_enable", [](bool on) { SetObserver(on ? TraceLog() : nullptr); });
   m.def("trace_now_us", &TraceNowUs);
   m.def("trace_take", &TakeRecords);
 }

@@ -16,8 +16,8 @@
 #include <tuple>
 
 #include "../algorithms/algorithms.h"
-#include "../model/trace_log.h"
 #include "copy.h"
+#include "observer.h"
 #include "registry.h"
 #include "rendezvous.h"
 #include "stats.h"
@@ -519,7 +519,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
   if (c.rank < 0 || c.rank >= p.group_size)
     return done(Status::Error(std::string(who.opname) + ": rank " + std::to_string(c.rank) +
                               " is out of range for a group of " + std::to_string(p.group_size)));
-  if (model::TraceEnabled()) done = model::TraceCollective(p, c, std::move(done));
+  if (OpObserver* observer = ActiveObserver()) done = observer->OnCollective(p, c, std::move(done));
   const int64_t in_bytes = p.rows * p.in_blocks * p.block_bytes;
   const int64_t out_bytes = p.rows * p.out_blocks * p.block_bytes;
   if (p.mode == Mode::kStrata) {

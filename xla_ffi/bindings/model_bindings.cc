@@ -6,10 +6,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <string>
 #include <vector>
 
-#include "../algorithms/algorithms.h"
 #include "../algorithms/moe.h"
+#include "../algorithms/op_registry.h"
 #include "../model/model.h"
 #include "../model/trace_log.h"
 #include "../runtime/observer.h"
@@ -105,7 +106,9 @@ nb::dict ModelCollective(int kind, int dtype, int reduce_op, int root, std::vect
                          std::vector<int32_t> rank_npu, bool keep_slices) {
   if (group_size < 1 || cores < 1 || engines < 1 || rows < 1 || block_bytes < 0)
     throw std::invalid_argument("group_size, cores, engines and rows must be positive");
-  OpParams p = MakeOpParams(kind, dtype, reduce_op, root, std::move(perm), group_size, block_bytes,
+  const CollectiveDef* def = FindCollective(kind);
+  if (!def) throw std::invalid_argument("model_collective: no collective has code " + std::to_string(kind));
+  OpParams p = MakeOpParams(*def, dtype, reduce_op, root, std::move(perm), group_size, block_bytes,
                             rows, mode, cores, engines, planner, comm_buffer_bytes);
   const Machine m = ToMachine(machine);
   CheckPlacement(rank_npu, group_size);
@@ -243,7 +246,7 @@ nb::list TakeRecords() {
     d["ok"] = r.ok;
     if (r.kind == ObservedOp::kCollective) {
       const OpParams& p = r.op;
-      d["op_kind"] = static_cast<int>(p.kind);
+      d["op_kind"] = p.builder->code;
       d["dtype"] = static_cast<int>(p.dtype);
       d["reduce_op"] = static_cast<int>(p.op);
       d["root"] = p.root;

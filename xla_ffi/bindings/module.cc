@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "../algorithms/algorithms.h"
+#include "../algorithms/op_registry.h"
 #include "../runtime/collective.h"
 #include "../runtime/copy.h"
 #include "../runtime/reduce_isa.h"
@@ -46,12 +46,8 @@ nb::dict Registrations() {
     return stages;
   };
   nb::dict d;
-  d["strata_all_reduce"] = target(StrataAllReduce);
-  d["strata_all_gather"] = target(StrataAllGather);
-  d["strata_reduce_scatter"] = target(StrataReduceScatter);
-  d["strata_all_to_all"] = target(StrataAllToAll);
-  d["strata_broadcast"] = target(StrataBroadcast);
-  d["strata_ppermute"] = target(StrataPermute);
+  for (const CollectiveDef& def : Collectives())
+    d[("strata_" + std::string(def.name)).c_str()] = target(CollectiveHandler(def.kind));
   d["strata_ragged_all_to_all"] = target(StrataRaggedAllToAll);
   d["strata_moe_dispatch"] = target(StrataMoeDispatch);
   d["strata_moe_combine"] = target(StrataMoeCombine);
@@ -100,6 +96,13 @@ nb::dict GetStats() {
 
 using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+// The registry entry of an op code from Python, or a ValueError naming it.
+const CollectiveDef& CollectiveOf(int code, const char* caller) {
+  const CollectiveDef* def = FindCollective(code);
+  if (!def) throw nb::value_error((std::string(caller) + ": no collective has code " + std::to_string(code)).c_str());
+  return *def;
+}
+
 // Runs one op with every rank a thread (gloo-style). `block_bytes_per_rank`
 // lets a test make ranks disagree; ranks in `absent` never call. Returns one
 // error string per rank ("" for success).
@@ -109,6 +112,7 @@ std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
                                   int64_t comm_buffer_bytes, double timeout_s, int64_t site_id,
                                   int64_t run_id, std::vector<Bytes> inputs, std::vector<Bytes> outputs,
                                   std::vector<int> absent) {
+  const CollectiveDef& def = CollectiveOf(kind, "run_ranks");
   const int n = static_cast<int>(inputs.size());
   std::vector<std::string> errors(n);
   std::vector<std::thread> threads;
@@ -117,8 +121,8 @@ std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
     for (int r = 0; r < n; ++r) {
       if (std::find(absent.begin(), absent.end(), r) != absent.end()) continue;
       threads.emplace_back([&, r] {
-        OpParams p = MakeOpParams(kind, dtype, reduce_op, root, perm, n, block_bytes_per_rank[r], rows,
-                                mode, cores, engines, planner, comm_buffer_bytes);
+        OpParams p = MakeOpParams(def, dtype, reduce_op, root, perm, n, block_bytes_per_rank[r], rows,
+                                  mode, cores, engines, planner, comm_buffer_bytes);
         RankCall c;
         c.run_id = run_id;
         c.site_id = site_id;
@@ -138,8 +142,8 @@ std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
 
 nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t block_bytes,
                   int lanes, int planner) {
-  OpParams p = MakeOpParams(kind, dtype, reduce_op, 0, {}, group_size, block_bytes, 1, 0, lanes,
-                          lanes, planner, 0);
+  OpParams p = MakeOpParams(CollectiveOf(kind, "plan_info"), dtype, reduce_op, 0, {}, group_size,
+                            block_bytes, 1, 0, lanes, lanes, planner, 0);
   Plan plan = BuildPartitionedPlan(p);
   std::vector<std::vector<int64_t>> lane_bytes(group_size, std::vector<int64_t>(lanes, 0));
   for (const LaneTask& t : plan.tasks) lane_bytes[t.npu][t.lane] += t.bytes;
@@ -168,7 +172,7 @@ void ReduceWith(const std::string& isa, const std::string& dtype_name, const std
     throw nb::value_error(("reduce_with: " + (why.empty() ? "unusable ISA " + isa : why)).c_str());
   }
   int dtype = -1, op = -1;
-  for (int t = 0; t <= static_cast<int>(DType::C128); ++t)
+  for (int t = 0; t < kDTypeCount; ++t)
     if (dtype_name == DTypeName(static_cast<DType>(t))) dtype = t;
   for (int o = 0; o < static_cast<int>(ReduceOp::kNone); ++o)
     if (op_name == ReduceOpName(static_cast<ReduceOp>(o))) op = o;

@@ -4,6 +4,7 @@
 // of mismatches and timeouts that a single SPMD program cannot produce).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -101,6 +102,51 @@ const CollectiveDef& CollectiveOf(int code, const char* caller) {
   const CollectiveDef* def = FindCollective(code);
   if (!def) throw nb::value_error((std::string(caller) + ": no collective has code " + std::to_string(code)).c_str());
   return *def;
+}
+
+const CollectiveDef& CollectiveNamed(const std::string& name, const char* caller) {
+  const CollectiveDef* def = FindCollective(name.c_str());
+  if (!def) throw nb::value_error((std::string(caller) + ": no collective is named " + name).c_str());
+  return *def;
+}
+
+// The codes Python passes, from the C++ tables they index: name -> code.
+nb::dict DTypeCodes() {
+  nb::dict d;
+  for (int32_t t = 0; t < kDTypeCount; ++t) d[DTypeName(static_cast<DType>(t))] = t;
+  return d;
+}
+
+nb::dict DTypeSizes() {
+  nb::dict d;
+  for (int32_t t = 0; t < kDTypeCount; ++t)
+    d[DTypeName(static_cast<DType>(t))] = DTypeSize(static_cast<DType>(t));
+  return d;
+}
+
+nb::dict ReduceOpCodes() {  // "none" (kNone) marks pure data movement
+  nb::dict d;
+  for (int32_t o = 0; o < kReduceOpCount; ++o) d[ReduceOpName(static_cast<ReduceOp>(o))] = o;
+  return d;
+}
+
+nb::dict ModeCodes() {
+  nb::dict d;
+  for (int32_t m = 0; m < kModeCount; ++m) d[ModeName(static_cast<Mode>(m))] = m;
+  return d;
+}
+
+nb::dict PlannerCodes() {
+  nb::dict d;
+  for (int32_t p = 0; p < kPlannerCount; ++p) d[PlannerName(static_cast<Planner>(p))] = p;
+  return d;
+}
+
+// The collectives' names in code order (an op's code is its index).
+nb::tuple OpNames() {
+  nb::list names;
+  for (const CollectiveDef& def : Collectives()) names.append(def.name);
+  return nb::tuple(names);
 }
 
 // Runs one op with every rank a thread (gloo-style). `block_bytes_per_rank`
@@ -237,6 +283,22 @@ NB_MODULE(_core, m) {
   });
   m.def("reduce_with", &ReduceWith, nb::arg("isa"), nb::arg("dtype"), nb::arg("op"), nb::arg("srcs"),
         nb::arg("outs"), nb::arg("streaming") = false);
+  // The op registry and code tables (algorithms/op_registry.h, runtime/dtypes.h):
+  // Python reads names and codes from here rather than keeping copies.
+  m.def("op_names", &OpNames);
+  m.def("op_block_counts", [](const std::string& name, int group_size) {
+    const CollectiveDef& def = CollectiveNamed(name, "op_block_counts");
+    return std::make_pair(def.InBlocks(group_size), def.OutBlocks(group_size));
+  });
+  m.def("bus_factor", [](const std::string& name, int group_size) {
+    if (group_size < 1) throw nb::value_error("bus_factor: group_size must be positive");
+    return CollectiveNamed(name, "bus_factor").bus_factor(group_size);
+  });
+  m.def("dtype_codes", &DTypeCodes);
+  m.def("dtype_sizes", &DTypeSizes);
+  m.def("reduce_ops", &ReduceOpCodes);
+  m.def("mode_codes", &ModeCodes);
+  m.def("planner_codes", &PlannerCodes);
   m.def("run_ranks", &RunRanks);
   m.def("plan_info", &PlanInfo);
 }

@@ -76,6 +76,8 @@ rm -rf "$log_dir" "$log_dir.all" "$log_dir.project.txt"
 mkdir -p "$log_dir"
 export PYTHONPATH="$build/pythonpath${PYTHONPATH:+:$PYTHONPATH}"
 export STRATA_SANITIZER="$kind"
+# tests/test_cpp_plans.py builds and runs the C++ plan tests in this build, with its flags.
+export STRATA_CPP_BUILD_DIR="$build"
 if [ "$kind" = asan ]; then
   # Leaks: the runtime keeps process-lifetime singletons on purpose, and
   # Python/XLA leak at exit by design, so leak checking would only be noise.

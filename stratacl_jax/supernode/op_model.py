@@ -23,9 +23,9 @@ MOE_OPS = ("moe_dispatch", "moe_combine", "moe_combine_backward")
 OP_KIND = {name: i for i, name in enumerate(COLLECTIVES)}
 # xla_ffi/runtime/dtypes.h, DType.
 DTYPE_CODE = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int8": 4, "int32": 5,
-              "int64": 6, "uint8": 7, "uint32": 8, "bool": 9}
+              "int64": 6, "uint8": 7, "uint32": 8, "bool": 9, "complex64": 10, "complex128": 11}
 DTYPE_SIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4,
-              "int64": 8, "uint8": 1, "uint32": 4, "bool": 1}
+              "int64": 8, "uint8": 1, "uint32": 4, "bool": 1, "complex64": 8, "complex128": 16}
 REDUCE_CODE = {"sum": 0, "max": 1, "min": 2, "prod": 3, "mean": 0}
 MODES = ("strata", "buffer_centric")
 _PLANNER_CODE = {"balanced": 0, "naive": 1}

@@ -15,28 +15,25 @@
 #include <thread>
 #include <tuple>
 
-#include "../algorithms/algorithms.h"
-#include "../model/trace_log.h"
 #include "copy.h"
+#include "observer.h"
 #include "registry.h"
 #include "rendezvous.h"
 #include "stats.h"
 
 namespace strata {
 
-const char* OpName(OpKind kind) {
-  static const char* names[] = {"strata.all_reduce", "strata.all_gather", "strata.reduce_scatter",
-                                "strata.all_to_all", "strata.broadcast", "strata.ppermute"};
-  return names[static_cast<int>(kind)];
+const char* ModeName(Mode mode) {
+  return mode == Mode::kBufferCentric ? "buffer_centric" : "strata";
 }
 
 std::string OpParams::Describe() const {
   std::ostringstream os;
-  os << OpName(kind) << " dtype=" << DTypeName(dtype) << " op=" << ReduceOpName(op) << " root=" << root
+  os << name() << " dtype=" << DTypeName(dtype) << " op=" << ReduceOpName(op) << " root=" << root
      << " group_size=" << group_size << " rows=" << rows << " in_blocks=" << in_blocks
      << " out_blocks=" << out_blocks << " block_bytes=" << block_bytes
-     << " mode=" << (mode == Mode::kStrata ? "strata" : "buffer_centric") << " cores=" << cores
-     << " engines=" << engines << " planner=" << static_cast<int>(planner)
+     << " mode=" << ModeName(mode) << " cores=" << cores
+     << " engines=" << engines << " planner=" << PlannerName(planner)
      << " comm_buffer_bytes=" << comm_buffer_bytes << " perm=[";
   for (int32_t v : perm) os << v << ',';
   os << ']';
@@ -45,7 +42,7 @@ std::string OpParams::Describe() const {
 
 Signature OpParams::Sign() const {
   SignatureHasher h;
-  h.Add(kind).Add(dtype).Add(op).Add(root).Add(group_size).Add(in_blocks).Add(out_blocks);
+  h.Add(builder->code).Add(dtype).Add(op).Add(root).Add(group_size).Add(in_blocks).Add(out_blocks);
   h.Add(block_bytes).Add(rows).Add(mode).Add(cores).Add(engines).Add(planner).Add(comm_buffer_bytes);
   h.Add(perm.size());
   if (!perm.empty()) h.Add(perm.data(), perm.size() * sizeof(int32_t));
@@ -62,35 +59,9 @@ void OpParams::PlanKey(std::string* out) const {
   std::string& key = *out;
   key.clear();
   auto put = [&key](const auto& v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
-  put(kind), put(dtype), put(op), put(root), put(group_size), put(in_blocks), put(out_blocks);
+  put(builder->code), put(dtype), put(op), put(root), put(group_size), put(in_blocks), put(out_blocks);
   put(block_bytes), put(cores), put(engines), put(planner), put(movement_lanes);
   key.append(reinterpret_cast<const char*>(perm.data()), perm.size() * sizeof(int32_t));
-}
-
-void BlockCounts(OpKind kind, int n, int64_t* in_blocks, int64_t* out_blocks) {
-  *in_blocks = (kind == OpKind::kReduceScatter || kind == OpKind::kAllToAll) ? n : 1;
-  *out_blocks = (kind == OpKind::kAllGather || kind == OpKind::kAllToAll) ? n : 1;
-}
-
-OpParams MakeOpParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,
-                      int group_size, int64_t block_bytes, int64_t rows, int mode, int cores,
-                      int engines, int planner, int64_t comm_buffer_bytes) {
-  OpParams p;
-  p.kind = static_cast<OpKind>(kind);
-  p.dtype = static_cast<DType>(dtype);
-  p.op = static_cast<ReduceOp>(reduce_op);
-  p.root = root;
-  p.perm = std::move(perm);
-  p.group_size = group_size;
-  BlockCounts(p.kind, group_size, &p.in_blocks, &p.out_blocks);
-  p.block_bytes = block_bytes;
-  p.rows = rows;
-  p.mode = static_cast<Mode>(mode);
-  p.cores = cores;
-  p.engines = engines;
-  p.planner = static_cast<Planner>(planner);
-  p.comm_buffer_bytes = comm_buffer_bytes;
-  return p;
 }
 
 Plan BuildPartitionedPlan(const OpParams& p) {
@@ -101,14 +72,7 @@ Plan BuildPartitionedPlan(const OpParams& p) {
   plan.block_bytes = p.block_bytes;
   plan.dtype = p.dtype;
   plan.op = p.op;
-  switch (p.kind) {
-    case OpKind::kAllReduce: BuildAllReducePlan(p, plan); break;
-    case OpKind::kAllGather: BuildAllGatherPlan(p, plan); break;
-    case OpKind::kReduceScatter: BuildReduceScatterPlan(p, plan); break;
-    case OpKind::kAllToAll: BuildAllToAllPlan(p, plan); break;
-    case OpKind::kBroadcast: BuildBroadcastPlan(p, plan); break;
-    case OpKind::kPermute: BuildPermutePlan(p, plan); break;
-  }
+  p.builder->add_transfers(p, plan);
   // Reductions run on vector cores; pure data movement on DMA engines when
   // their descriptor cost is amortised, else on the cores (MovesOnSdma).
   plan.on_sdma = MovesOnSdma(p);
@@ -515,11 +479,14 @@ bool RunsInline(const OpParams& p) {
 }
 
 void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void(const Status&)> done) {
-  const Participant who = c.As(OpName(p.kind), p.group_size);
+  const Participant who = c.As(p.name(), p.group_size);
+  if (!p.builder || !p.builder->add_transfers)
+    return done(Status::Error(std::string(who.opname) + ": the op has no plan builder (OpParams made "
+                              "without algorithms/op_registry.h's MakeOpParams)"));
   if (c.rank < 0 || c.rank >= p.group_size)
     return done(Status::Error(std::string(who.opname) + ": rank " + std::to_string(c.rank) +
                               " is out of range for a group of " + std::to_string(p.group_size)));
-  if (model::TraceEnabled()) done = model::TraceCollective(p, c, std::move(done));
+  if (OpObserver* observer = ActiveObserver()) done = observer->OnCollective(p, c, std::move(done));
   const int64_t in_bytes = p.rows * p.in_blocks * p.block_bytes;
   const int64_t out_bytes = p.rows * p.out_blocks * p.block_bytes;
   if (p.mode == Mode::kStrata) {

@@ -3,6 +3,8 @@
 // arrive checks they all asked for the same op and hands the op's plan to the
 // host workers (executor.h) as a job, in "strata" (direct user-buffer) or
 // "buffer_centric" (staged through pre-registered comm buffers) mode.
+// Which op it is reaches the runtime as a PlanBuilder (defined per op by the
+// algorithms layer, algorithms/op_registry.h): the runtime never names an op.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -16,16 +18,26 @@
 
 namespace strata {
 
-enum class OpKind : int32_t {
-  kAllReduce = 0, kAllGather, kReduceScatter, kAllToAll, kBroadcast, kPermute,
-};
-const char* OpName(OpKind kind);
-
 enum class Mode : int32_t { kStrata = 0, kBufferCentric = 1 };
+inline constexpr int32_t kModeCount = 2;
+const char* ModeName(Mode mode);  // "strata", "buffer_centric": strata.config's names
+
+struct OpParams;
+
+// How one collective becomes a plan: the algorithms layer defines one per op
+// and every OpParams points at its op's, so the runtime builds, caches and
+// runs plans without switching on which op it runs.
+struct PlanBuilder {
+  int32_t code = -1;           // the op's stable id: signatures and plan keys hold it
+  const char* name = "strata"; // "strata.all_reduce": errors and traces name the op by it
+  // Adds the op's transfers over p.group_size ranks to `plan` (whose layout
+  // fields are already set from p).
+  void (*add_transfers)(const OpParams& p, Plan& plan) = nullptr;
+};
 
 // What the op is. Identical on every rank of a group; checked at rendezvous.
 struct OpParams {
-  OpKind kind = OpKind::kAllReduce;
+  const PlanBuilder* builder = nullptr;  // never null once made (algorithms/op_registry.h)
   DType dtype = DType::F32;
   ReduceOp op = ReduceOp::kNone;
   int32_t root = 0;
@@ -42,6 +54,7 @@ struct OpParams {
   // the other fields, so not part of the signature the ranks compare.
   int32_t movement_lanes = -1;
 
+  const char* name() const { return builder ? builder->name : "strata.collective"; }
   std::string Describe() const;  // for mismatch errors
   Signature Sign() const;         // what the ranks compare (Describe on mismatch)
   void PlanKey(std::string* key) const;  // everything a plan depends on, as bytes in *key
@@ -96,12 +109,8 @@ bool MovesOnSdma(int64_t bytes_per_rank, int engines, double descriptor_us = kSd
 bool MovesOnSdma(const OpParams& p, double descriptor_us = kSdmaDescriptorUs,
                  double sdma_gbps = kSdmaGbps);
 
-// OpParams from the plain values bindings and tools pass (enums as ints).
-OpParams MakeOpParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,
-                      int group_size, int64_t block_bytes, int64_t rows, int mode, int cores,
-                      int engines, int planner, int64_t comm_buffer_bytes);
-
-// The plan of an op, as the runtime would build it (for tests and tools).
+// The plan of an op, as the runtime would build it (for the model, tests and
+// tools): the op's transfers (params.builder), their lanes and partition.
 Plan BuildPartitionedPlan(const OpParams& params);
 
 // buffer_centric mode: the columns of every block that fit the comm buffer at

@@ -5,6 +5,10 @@
 
 namespace strata {
 
+const char* PlannerName(Planner planner) {
+  return planner == Planner::kNaive ? "naive" : "balanced";
+}
+
 void Plan::Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts) {
   Transfer t;
   t.src_begin = static_cast<uint32_t>(refs.size());

@@ -29,6 +29,8 @@ struct Transfer {
 };
 
 enum class Planner : int32_t { kBalanced = 0, kNaive = 1 };
+inline constexpr int32_t kPlannerCount = 2;
+const char* PlannerName(Planner planner);  // "balanced", "naive": strata.config's names
 
 // One lane's share of one transfer: columns [col_begin, col_end) of all rows.
 struct Piece {

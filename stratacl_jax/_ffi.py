@@ -38,10 +38,11 @@ jax.ffi.register_ffi_type("strata_site_instance", _core.site_instance_type(), pl
 for _name, _capsule in _core.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
-REDUCE_OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3}
-NO_REDUCTION = 4
-_MODE_CODE = {"strata": 0, "buffer_centric": 1}
-_PLANNER_CODE = {"balanced": 0, "naive": 1}
+# The extension's code tables (xla_ffi/runtime), not copies of them.
+REDUCE_OPS = {k: v for k, v in _core.reduce_ops().items() if k != "none"}
+NO_REDUCTION = _core.reduce_ops()["none"]
+_MODE_CODE = _core.mode_codes()
+_PLANNER_CODE = _core.planner_codes()
 
 SUPPORTED_DTYPES = tuple(
     np.dtype(d)

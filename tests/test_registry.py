@@ -1,7 +1,9 @@
 """The extension's op registry and code tables (xla_ffi/algorithms/op_registry.h,
-runtime/dtypes.h, exported by _core) against the copies the Python layer and the
-benchmarks still keep: a code or name that drifts from the C++ one would send the
-wrong op, dtype or reduction to the handlers, the model or the trace reader."""
+runtime/dtypes.h, exported by _core) against the tables the library derives from them
+(mean as a sum, names in code order) and the copies the benchmarks keep (they run
+without the library under --impl lax): a code or name that drifts from the C++ one
+would send the wrong op, dtype or reduction to the handlers, the model or the trace
+reader."""
 import sys
 from pathlib import Path
 

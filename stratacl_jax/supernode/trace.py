@@ -30,7 +30,7 @@ from .spec import preset
 from .step import simulate
 
 _DTYPE_NAME = {v: k for k, v in DTYPE_CODE.items()}
-_REDUCE_NAME = {0: "sum", 1: "max", 2: "min", 3: "prod", 4: "none"}
+_REDUCE_NAME = {v: k for k, v in _core.reduce_ops().items()}
 _MOE_NAME = {1: "moe_dispatch", 2: "moe_combine", 3: "moe_combine_backward"}
 _PHASE_NAME = {0: "exchange", 1: "stage in", 2: "stage out"}
 _active_lock = threading.Lock()

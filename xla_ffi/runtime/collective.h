@@ -99,7 +99,7 @@ bool RunsInline(const OpParams& params);
 // engines in the preset), but it does not value the cores the offload frees
 // for compute; the rule keeps the offload for the ops where it costs at most
 // as much again as the transfer. The defaults are the preset's figures
-// (stratacl_jax/emulator.py, SupernodeSpec: sdma_descriptor_us, sdma_gbps).
+// (stratacl_jax/supernode/spec.py, SupernodeSpec: sdma_descriptor_us, sdma_gbps).
 inline constexpr double kSdmaDescriptorUs = 90.0;
 inline constexpr double kSdmaGbps = 21.18;
 bool MovesOnSdma(int64_t bytes_per_rank, int engines, double descriptor_us = kSdmaDescriptorUs,

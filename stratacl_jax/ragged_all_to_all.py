@@ -7,8 +7,9 @@ i // k (k = slices per peer = len(send_sizes) / group size); they land at rows
 receiver's buffer). Rows nobody writes keep `output`'s values. The sizes are
 runtime values: the C++ runtime reads every rank's vectors when the group meets,
 checks them (sizes agree with the receivers' recv_sizes, rows fit the buffers:
-an error naming the rank otherwise) and copies the rows straight between the
-ranks' buffers, in either strata.config mode (there is no staged variant).
+an error naming the rank otherwise) and runs the exchange as a plan like the
+collectives': in strata.config's mode (buffer_centric stages the rows through
+the comm buffers), on the NPUs' cores or DMA engines, counted in strata.stats().
 
 The primitive is linear in (operand, output) jointly; its transpose sends the
 cotangent's received rows back (a ragged_all_to_all with the roles swapped)
@@ -83,7 +84,11 @@ def _lower(operand, output, input_offsets, send_sizes, output_offsets, recv_size
               site_id=np.int64(_ffi.next_site_id("strata_ragged_all_to_all", group.axes, group.others, operand.shape,
                                                       operand.dtype, output.shape)), group_size=np.int32(group.size),
               num_devices=np.int32(group.num_devices),
-              timeout_ms=_ffi.timeout_ms(settings))
+              timeout_ms=_ffi.timeout_ms(settings),
+              # Order: RaggedParam in xla_ffi/bindings/ragged_handlers.cc.
+              params=np.asarray([_ffi._MODE_CODE[settings.mode], settings.cores_per_npu,
+                                 settings.sdma_engines_per_npu, _ffi._PLANNER_CODE[settings.planner],
+                                 settings.comm_buffer_bytes], dtype=np.int64))
 
 
 def _lower_across(operand, output, input_offsets, send_sizes, output_offsets, group, crossing):

@@ -8,10 +8,12 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "dtypes.h"
+#include "executor.h"
 #include "plan.h"
 #include "rendezvous.h"
 #include "status.h"
@@ -112,6 +114,17 @@ bool MovesOnSdma(const OpParams& p, double descriptor_us = kSdmaDescriptorUs,
 // The plan of an op, as the runtime would build it (for the model, tests and
 // tools): the op's transfers (params.builder), their lanes and partition.
 Plan BuildPartitionedPlan(const OpParams& params);
+
+// A plan built at the rendezvous from the ranks' published data (a ragged
+// exchange's sizes), run like a collective's: the job that moves it between
+// the buffers in `s` (ptrs[r][0] in, [1] out) in p's mode, on p's lanes (the
+// busiest rank's bytes read + written decide cores or SDMA engines) with p's
+// planner. `plan` holds its transfers and layout, unpartitioned; p gives the
+// same layout (in_blocks, out_blocks, block_bytes, rows). Not cached: such a
+// plan changes with the data. buffer_centric stages only the blocks the plan
+// reads and writes (others keep the output's values). In strata mode a small
+// plan runs here, on the calling thread (RunsInline), leaving the job empty.
+Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job);
 
 // buffer_centric mode: the columns of every block that fit the comm buffer at
 // once (the op runs in rounds of this many); <= 0 when not even one fits.

@@ -13,18 +13,25 @@
 //     evenly, every rank executes the same share;
 //   - a copy-only plan's host moves write every output byte exactly once,
 //     from the right source.
+// ragged_all_to_all's plans, built from random offset/size vectors (any index
+// type, several slices per peer, empty slices, gaps), are checked alike: every
+// output row is written once, from the sender row the vectors name; each
+// rank's bytes read and written are its send and receive sizes' sums; the
+// lanes and moves cover every transfer's span once. Bad vectors are errors.
 // Run by tests/test_cpp_plans.py (which builds it); exits non-zero on any
 // failure, naming the plan.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "../../xla_ffi/algorithms/op_registry.h"
+#include "../../xla_ffi/algorithms/ragged_all_to_all.h"
 #include "../../xla_ffi/runtime/collective.h"
 #include "../../xla_ffi/runtime/plan.h"
 
@@ -337,6 +344,244 @@ std::vector<std::vector<int32_t>> Permutations(int n) {
   return perms;
 }
 
+// Byte ranges [begin, end) that do not overlap and add up to `total`.
+bool DisjointWithTotal(std::vector<std::pair<int64_t, int64_t>> spans, int64_t total) {
+  std::sort(spans.begin(), spans.end());
+  int64_t at = 0, sum = 0;
+  for (const auto& [b, e] : spans) {
+    if (b < at || e <= b) return false;
+    at = e;
+    sum += e - b;
+  }
+  return sum == total;
+}
+
+// One random ragged exchange: each rank's four vectors as int64, and where
+// each receiver's rows come from (-1: nobody writes it).
+struct RaggedCase {
+  int n, k;
+  int64_t in_rows, out_rows;
+  std::vector<std::vector<int64_t>> input_offsets, send_sizes, output_offsets, recv_sizes;  // [rank][entry]
+  std::vector<std::vector<Ref>> source;  // [rank][output row] -> (sender, operand row)
+};
+
+RaggedCase MakeRaggedCase(std::mt19937_64& rng, int n, int k, int64_t in_rows, int64_t max_size) {
+  RaggedCase c{n, k, in_rows, 0, {}, {}, {}, {}, {}};
+  auto uniform = [&rng](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  const int entries = n * k;
+  c.send_sizes.assign(n, std::vector<int64_t>(entries));
+  c.input_offsets = c.output_offsets = c.recv_sizes = c.send_sizes;
+  for (int s = 0; s < n; ++s)
+    for (int i = 0; i < entries; ++i) {
+      const int64_t size = uniform(0, 3) == 0 ? 0 : uniform(0, max_size);  // plenty of empty slices
+      c.send_sizes[s][i] = size;
+      c.input_offsets[s][i] = uniform(0, in_rows - size);  // reads may overlap
+      c.recv_sizes[i / k][s * k + i % k] = size;
+    }
+  // Each receiver lays its slices out in sender order with random gaps.
+  std::vector<int64_t> cursor(n, 0);
+  for (int s = 0; s < n; ++s)
+    for (int i = 0; i < entries; ++i) {
+      const int d = i / k;
+      cursor[d] += uniform(0, 2);
+      c.output_offsets[s][i] = cursor[d];
+      cursor[d] += c.send_sizes[s][i];
+    }
+  c.out_rows = *std::max_element(cursor.begin(), cursor.end()) + uniform(1, 3);
+  c.source.assign(n, std::vector<Ref>(c.out_rows, Ref{-1, -1}));
+  for (int s = 0; s < n; ++s)
+    for (int i = 0; i < entries; ++i)
+      for (int64_t j = 0; j < c.send_sizes[s][i]; ++j)
+        c.source[i / k][c.output_offsets[s][i] + j] = {s, static_cast<int32_t>(c.input_offsets[s][i] + j)};
+  return c;
+}
+
+// The case's vectors in `type`, as a rank publishes them.
+struct PublishedVectors {
+  std::vector<std::vector<int64_t>> s64;
+  std::vector<std::vector<int32_t>> s32;
+  std::vector<RaggedVectors> ranks;
+};
+
+PublishedVectors Publish(const RaggedCase& c, IndexType type) {
+  PublishedVectors v;
+  v.ranks.resize(c.n);
+  const std::vector<int64_t>* per_vector[4] = {nullptr};
+  for (int r = 0; r < c.n; ++r) {
+    per_vector[0] = &c.input_offsets[r], per_vector[1] = &c.send_sizes[r];
+    per_vector[2] = &c.output_offsets[r], per_vector[3] = &c.recv_sizes[r];
+    for (int j = 0; j < 4; ++j) {
+      if (type == IndexType::S64) v.s64.push_back(*per_vector[j]);
+      else v.s32.emplace_back(per_vector[j]->begin(), per_vector[j]->end());
+    }
+  }
+  // Pointers once the vectors no longer move.
+  for (int r = 0; r < c.n; ++r)
+    for (int j = 0; j < 4; ++j)
+      v.ranks[r][j] = type == IndexType::S64 ? static_cast<const void*>(v.s64[r * 4 + j].data())
+                                             : static_cast<const void*>(v.s32[r * 4 + j].data());
+  return v;
+}
+
+RaggedParams RaggedParamsOf(const RaggedCase& c, IndexType type, int64_t row_bytes, DType dtype) {
+  RaggedParams p;
+  p.group_size = c.n;
+  p.slices_per_peer = c.k;
+  p.operand_rows = c.in_rows;
+  p.output_rows = c.out_rows;
+  p.row_bytes = row_bytes;
+  p.dtype = dtype;
+  for (IndexType& t : p.index_types) t = type;
+  return p;
+}
+
+void CheckRaggedPlan(const RaggedCase& c, IndexType type, int64_t row_bytes, DType dtype, int lanes, Planner planner) {
+  std::ostringstream name;
+  name << "ragged_all_to_all n=" << c.n << " k=" << c.k << " rows " << c.in_rows << " -> " << c.out_rows
+       << " row_bytes=" << row_bytes << " index_type=" << static_cast<int>(type) << " lanes=" << lanes
+       << " planner=" << PlannerName(planner);
+  g_context = name.str();
+  const PublishedVectors published = Publish(c, type);
+  Plan plan;
+  const Status st = BuildRaggedPlan(RaggedParamsOf(c, type, row_bytes, dtype), published.ranks, &plan);
+  CHECK(st.ok, "refused: " << st.message);
+  if (!st.ok) return;
+  Partition(plan, lanes, planner);
+  const int64_t B = row_bytes;
+  CHECK(plan.num_ranks == c.n && plan.in_blocks == c.in_rows && plan.out_blocks == c.out_rows && plan.block_bytes == B &&
+            !plan.is_reduction(),
+        "layout");
+
+  // Transfers: each output row once, from the sender row the vectors name.
+  std::vector<std::vector<int>> writes(c.n, std::vector<int>(c.out_rows, 0));
+  for (const Transfer& t : plan.transfers) {
+    CHECK(t.src_count == 1 && t.dst_count == 1 && t.span >= 1, "a transfer is not one run of rows");
+    if (t.src_count != 1 || t.dst_count != 1) continue;
+    const BlockRef& s = plan.refs[t.src_begin];
+    const BlockRef& d = plan.refs[t.dst_begin];
+    for (uint32_t j = 0; j < t.span; ++j) {
+      const int64_t row = d.block + static_cast<int64_t>(j);
+      CHECK(d.rank >= 0 && d.rank < c.n && row < c.out_rows, "writes row " << row << " of rank " << d.rank);
+      if (d.rank < 0 || d.rank >= c.n || row >= c.out_rows) continue;
+      ++writes[d.rank][row];
+      CHECK(c.source[d.rank][row] == Ref(s.rank, s.block + static_cast<int32_t>(j)),
+            "row " << row << " of rank " << d.rank << " comes from row " << s.block + j << " of rank " << s.rank);
+    }
+  }
+  for (int r = 0; r < c.n; ++r)
+    for (int64_t row = 0; row < c.out_rows; ++row)
+      CHECK(writes[r][row] == (c.source[r][row].first >= 0 ? 1 : 0),
+            "row " << row << " of rank " << r << " is written " << writes[r][row] << " times");
+
+  // Lanes: every transfer's span once; each rank's bytes are its sizes' sums.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> columns(plan.transfers.size());
+  std::vector<int64_t> read_from(c.n, 0), written_to(c.n, 0);
+  int64_t task_total = 0;
+  for (const LaneTask& task : plan.tasks) {
+    int64_t bytes = 0;
+    CHECK(task.lane >= 0 && task.lane < lanes, "lane " << task.lane);
+    for (uint32_t i = task.piece_begin; i < task.piece_end; ++i) {
+      const Piece& piece = plan.pieces[i];
+      const Transfer& t = plan.transfers[piece.transfer];
+      const int64_t len = piece.col_end - piece.col_begin;
+      CHECK(piece.executor == task.npu && plan.refs[t.dst_begin].rank == piece.executor,
+            "piece " << i << " does not run on the rank it writes");
+      CHECK(piece.col_begin % DTypeSize(dtype) == 0 && piece.col_end % DTypeSize(dtype) == 0, "piece cuts an element");
+      columns[piece.transfer].push_back({piece.col_begin, piece.col_end});
+      read_from[plan.refs[t.src_begin].rank] += len;
+      written_to[plan.refs[t.dst_begin].rank] += len;
+      bytes += 2 * len;
+    }
+    CHECK(task.bytes == bytes, "task counts " << task.bytes << " bytes, its pieces move " << bytes);
+    task_total += bytes;
+  }
+  int64_t rows_moved = 0;
+  for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti)
+    CHECK(TilesExactly(columns[ti], plan.Columns(plan.transfers[ti])),
+          "transfer " << ti << "'s pieces do not cover its " << plan.Columns(plan.transfers[ti]) << " columns once");
+  for (int r = 0; r < c.n; ++r) {
+    int64_t sent = 0, received = 0;
+    for (int i = 0; i < c.n * c.k; ++i) sent += c.send_sizes[r][i], received += c.recv_sizes[r][i];
+    CHECK(read_from[r] == sent * B, "rank " << r << " is read " << read_from[r] << " bytes, sends " << sent * B);
+    CHECK(written_to[r] == received * B, "rank " << r << " is written " << written_to[r] << " bytes, receives " << received * B);
+    rows_moved += sent;
+  }
+  CHECK(task_total == 2 * rows_moved * B, "lane tasks move " << task_total << " bytes, the exchange " << 2 * rows_moved * B);
+
+  // The host's moves: every written byte once, from the right sender row.
+  if (plan.transfers.empty()) return;
+  CHECK(!plan.moves.empty() && plan.move_starts.size() == plan.chunk_starts.size() &&
+            plan.move_starts.back() == plan.moves.size(),
+        "a copy-only plan without moves split over its host chunks");
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> written(c.n);  // bytes of each rank's output
+  for (const Move& m : plan.moves)
+    for (int32_t k = 0; k < m.count; ++k) {
+      const int32_t sr = m.src_rank + k * m.src_rank_step, dr = m.dst_rank + k * m.dst_rank_step;
+      const int64_t src_at = (m.src_block + k * m.src_block_step) * B + m.col;
+      const int64_t dst_at = (m.dst_block + k * m.dst_block_step) * B + m.col;
+      CHECK(dst_at >= 0 && dst_at + m.len <= c.out_rows * B && src_at >= 0 && src_at + m.len <= c.in_rows * B,
+            "a move runs outside the buffers");
+      if (dst_at < 0 || dst_at + m.len > c.out_rows * B) continue;
+      written[dr].push_back({dst_at, dst_at + m.len});
+      CHECK(src_at % B == dst_at % B, "a move shifts bytes within a row");
+      for (int64_t row = dst_at / B; row * B < dst_at + m.len; ++row)
+        CHECK(c.source[dr][row] == Ref(sr, static_cast<int32_t>(row + (src_at - dst_at) / B)),
+              "a move writes row " << row << " of rank " << dr << " from rank " << sr);
+    }
+  for (int r = 0; r < c.n; ++r) {
+    int64_t received = 0;
+    for (int i = 0; i < c.n * c.k; ++i) received += c.recv_sizes[r][i];
+    CHECK(DisjointWithTotal(written[r], received * B), "the moves do not write rank " << r << "'s received rows once");
+  }
+}
+
+// Vectors that disagree or leave the buffers are refused, naming the rank.
+void CheckRaggedErrors(std::mt19937_64& rng) {
+  g_context = "ragged_all_to_all errors";
+  RaggedCase c = MakeRaggedCase(rng, 4, 1, 9, 3);
+  auto refused = [&](const RaggedCase& bad, const std::string& want) {
+    const PublishedVectors published = Publish(bad, IndexType::S64);
+    Plan plan;
+    const Status st = BuildRaggedPlan(RaggedParamsOf(bad, IndexType::S64, 8, DType::F32), published.ranks, &plan);
+    CHECK(!st.ok && st.message.find(want) != std::string::npos, "message \"" << st.message << "\" lacks \"" << want << "\"");
+  };
+  RaggedCase bad = c;
+  bad.recv_sizes[3][1] += 1;
+  refused(bad, "strata.ragged_all_to_all: rank 1 sends send_sizes[3]=");
+  bad = c;
+  bad.send_sizes[2][0] = bad.recv_sizes[0][2] = -1;
+  refused(bad, "rank 2 sends a negative size send_sizes[0]=-1");
+  bad = c;
+  bad.send_sizes[2][1] = bad.recv_sizes[1][2] = 1;
+  bad.input_offsets[2][1] = 9;
+  refused(bad, "rank 2: input_offsets[1]=9 + send_sizes[1]=1 is outside its operand's 9 rows");
+  bad = c;
+  bad.send_sizes[0][3] = bad.recv_sizes[3][0] = 2;
+  bad.output_offsets[0][3] = bad.out_rows - 1;
+  refused(bad, "is outside rank 3's output of");
+}
+
+void CheckRaggedPlans(int64_t* plans) {
+  std::mt19937_64 rng(28);
+  CheckRaggedErrors(rng);
+  for (int n : {1, 2, 3, 8})
+    for (int k : {1, 2})
+      for (IndexType type : {IndexType::S32, IndexType::S64}) {
+        const RaggedCase c = MakeRaggedCase(rng, n, k, 40, 9);
+        for (const auto& [row_bytes, dtype] : std::vector<std::pair<int64_t, DType>>{
+                 {4, DType::F32}, {12, DType::F32}, {14336, DType::BF16}, {4112, DType::C128}})
+          for (int lanes : {1, 3, 48})
+            for (Planner planner : {Planner::kBalanced, Planner::kNaive}) {
+              CheckRaggedPlan(c, type, row_bytes, dtype, lanes, planner);
+              ++*plans;
+            }
+      }
+  // Past one host chunk per rank: 8 ranks, 512 rows of 7 KiB each.
+  const RaggedCase big = MakeRaggedCase(rng, 8, 1, 512, 64);
+  CheckRaggedPlan(big, IndexType::S32, 7168, DType::BF16, 48, Planner::kBalanced);
+  ++*plans;
+}
+
 }  // namespace
 }  // namespace strata
 
@@ -385,6 +630,7 @@ int main() {
       CheckPlan(c);
       ++plans;
     }
+  CheckRaggedPlans(&plans);
   std::printf("test_plans: %lld plans, %lld checks, %lld failures\n", static_cast<long long>(plans),
               static_cast<long long>(g_checks), static_cast<long long>(g_failures));
   return g_failures == 0 ? 0 : 1;

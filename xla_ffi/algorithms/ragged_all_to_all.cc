@@ -80,21 +80,27 @@ Status BuildRaggedPlan(const RaggedParams& p, const std::vector<RaggedVectors>& 
       const int dst = i / k;
       const int64_t rows = at(src, 1, i), i0 = at(src, 0, i), o0 = at(src, 2, i);
       const int64_t expected = at(dst, 3, src * k + i % k);
+      const bool in_operand = rows == 0 || (i0 >= 0 && rows <= p.operand_rows && i0 <= p.operand_rows - rows);
+      const bool in_output = rows == 0 || (o0 >= 0 && rows <= p.output_rows && o0 <= p.output_rows - rows);
+      if (rows > 0 && rows == expected && in_operand && in_output) {
+        plan->Add({{src, static_cast<int32_t>(i0)}}, {{dst, static_cast<int32_t>(o0)}}, static_cast<uint32_t>(rows));
+        continue;
+      }
+      if (rows == 0 && expected == 0) continue;
+      // The first bad entry, named; only it pays for formatting a message.
       std::ostringstream os;
       if (rows < 0)
         os << "rank " << src << " sends a negative size send_sizes[" << i << "]=" << rows;
       else if (rows != expected)
         os << "rank " << src << " sends send_sizes[" << i << "]=" << rows << " rows to rank " << dst
            << ", whose recv_sizes[" << src * k + i % k << "] says " << expected;
-      else if (rows > 0 && (i0 < 0 || rows > p.operand_rows || i0 > p.operand_rows - rows))
+      else if (!in_operand)
         os << "rank " << src << ": input_offsets[" << i << "]=" << i0 << " + send_sizes[" << i << "]="
            << rows << " is outside its operand's " << p.operand_rows << " rows";
-      else if (rows > 0 && (o0 < 0 || rows > p.output_rows || o0 > p.output_rows - rows))
+      else
         os << "rank " << src << ": output_offsets[" << i << "]=" << o0 << " + send_sizes[" << i << "]="
            << rows << " is outside rank " << dst << "'s output of " << p.output_rows << " rows";
-      if (!os.str().empty()) return Status::Error(std::string(kName) + ": " + os.str());
-      if (rows == 0) continue;
-      plan->Add({{src, static_cast<int32_t>(i0)}}, {{dst, static_cast<int32_t>(o0)}}, static_cast<uint32_t>(rows));
+      return Status::Error(std::string(kName) + ": " + os.str());
     }
   }
   return Status::Ok();

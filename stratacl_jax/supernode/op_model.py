@@ -24,7 +24,8 @@ MOE_OPS = ("moe_dispatch", "moe_combine", "moe_combine_backward")
 OP_KIND = {name: i for i, name in enumerate(COLLECTIVES)}
 DTYPE_CODE = _core.dtype_codes()
 DTYPE_SIZE = _core.dtype_sizes()
-REDUCE_CODE = {**{k: v for k, v in _core.reduce_ops().items() if k != "none"}, "mean": _core.reduce_ops()["sum"]}
+_REDUCE_OPS = _core.reduce_ops()
+REDUCE_CODE = {**{k: v for k, v in _REDUCE_OPS.items() if k != "none"}, "mean": _REDUCE_OPS["sum"]}
 MODES = tuple(_core.mode_codes())
 _PLANNER_CODE = _core.planner_codes()
 

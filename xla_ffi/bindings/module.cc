@@ -110,10 +110,12 @@ const CollectiveDef& CollectiveNamed(const std::string& name, const char* caller
   return *def;
 }
 
-// The codes Python passes, from the C++ tables they index: name -> code.
-nb::dict DTypeCodes() {
+// The codes Python passes, from the C++ tables they index: name -> code, for
+// an enum whose codes run 0..count-1.
+template <typename Enum>
+nb::dict NameCodes(int32_t count, const char* (*name)(Enum)) {
   nb::dict d;
-  for (int32_t t = 0; t < kDTypeCount; ++t) d[DTypeName(static_cast<DType>(t))] = t;
+  for (int32_t c = 0; c < count; ++c) d[name(static_cast<Enum>(c))] = c;
   return d;
 }
 
@@ -121,24 +123,6 @@ nb::dict DTypeSizes() {
   nb::dict d;
   for (int32_t t = 0; t < kDTypeCount; ++t)
     d[DTypeName(static_cast<DType>(t))] = DTypeSize(static_cast<DType>(t));
-  return d;
-}
-
-nb::dict ReduceOpCodes() {  // "none" (kNone) marks pure data movement
-  nb::dict d;
-  for (int32_t o = 0; o < kReduceOpCount; ++o) d[ReduceOpName(static_cast<ReduceOp>(o))] = o;
-  return d;
-}
-
-nb::dict ModeCodes() {
-  nb::dict d;
-  for (int32_t m = 0; m < kModeCount; ++m) d[ModeName(static_cast<Mode>(m))] = m;
-  return d;
-}
-
-nb::dict PlannerCodes() {
-  nb::dict d;
-  for (int32_t p = 0; p < kPlannerCount; ++p) d[PlannerName(static_cast<Planner>(p))] = p;
   return d;
 }
 
@@ -294,11 +278,12 @@ NB_MODULE(_core, m) {
     if (group_size < 1) throw nb::value_error("bus_factor: group_size must be positive");
     return CollectiveNamed(name, "bus_factor").bus_factor(group_size);
   });
-  m.def("dtype_codes", &DTypeCodes);
+  m.def("dtype_codes", [] { return NameCodes(kDTypeCount, DTypeName); });
   m.def("dtype_sizes", &DTypeSizes);
-  m.def("reduce_ops", &ReduceOpCodes);
-  m.def("mode_codes", &ModeCodes);
-  m.def("planner_codes", &PlannerCodes);
+  // "none" (kNone) marks pure data movement.
+  m.def("reduce_ops", [] { return NameCodes(kReduceOpCount, ReduceOpName); });
+  m.def("mode_codes", [] { return NameCodes(kModeCount, ModeName); });
+  m.def("planner_codes", [] { return NameCodes(kPlannerCount, PlannerName); });
   m.def("run_ranks", &RunRanks);
   m.def("plan_info", &PlanInfo);
 }

@@ -126,6 +126,68 @@ inline A Dot(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
+// DeepEP's traffic rule: a token crosses to a rank once, however many of its
+// K experts live there. Of the token's pairs on one rank, the one with the
+// lowest k leads: it carries the row across (or, in combine, the rank's one
+// partial sum back), and the others are served from it on that rank.
+// `slots` are the token's K pair slots (-1: dropped); pair k is kept.
+inline bool LeadsOnRank(const int32_t* slots, int64_t k, int64_t slots_per_rank) {
+  const int32_t owner = slots[k] / static_cast<int32_t>(slots_per_rank);
+  for (int64_t j = 0; j < k; ++j)
+    if (slots[j] >= 0 && slots[j] / slots_per_rank == owner) return false;
+  return true;
+}
+
+// A token's kept pairs grouped by owning rank: ranks ascending, k ascending
+// within a rank (the order combine sums in). One per thread, reused token
+// after token.
+struct TokenGroups {
+  struct Pair {
+    int32_t owner, k;
+  };
+  std::vector<Pair> pairs;  // the thread's: reused token after token
+  // group_end[g]: one past the last pair of group g
+  std::vector<int32_t> group_end;
+
+  void Build(const int32_t* slots, int64_t k_top, int64_t slots_per_rank) {
+    pairs.clear();
+    group_end.clear();
+    for (int64_t k = 0; k < k_top; ++k) {
+      if (slots[k] < 0) continue;
+      const Pair p{static_cast<int32_t>(slots[k] / slots_per_rank), static_cast<int32_t>(k)};
+      size_t i = pairs.size();  // insertion sort by owner, stable in k: K is small
+      pairs.push_back(p);
+      while (i > 0 && pairs[i - 1].owner > p.owner) {
+        pairs[i] = pairs[i - 1];
+        --i;
+      }
+      pairs[i] = p;
+    }
+    for (size_t i = 1; i <= pairs.size(); ++i)
+      if (i == pairs.size() || pairs[i].owner != pairs[i - 1].owner) group_end.push_back(static_cast<int32_t>(i));
+  }
+};
+
+// Combine's sum of one group of a token's pairs (those on one rank, k
+// ascending): part = sum of w[k] * row of pair k, in the accumulation type.
+// `rows`: the owning rank's expert rows.
+template <typename T, typename A>
+void SumGroup(DType dtype, A* part, int64_t h, const TokenGroups& groups, int32_t begin, int32_t end,
+              const int32_t* token_slots, const A* token_w, const T* rows, int64_t slots_per_rank) {
+  std::fill(part, part + h, A(0));
+  for (int32_t i = begin; i < end; ++i) {
+    const int32_t k = groups.pairs[i].k;
+    AxpyRow(dtype, part, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]), h);
+  }
+}
+
+// The partial row crosses back in the rows' dtype: v = widen(narrow(v)).
+template <typename T, typename A>
+void RoundToRow(A* v, int64_t h) {
+  if constexpr (sizeof(T) == sizeof(A)) return;
+  for (int64_t j = 0; j < h; ++j) v[j] = Widen(Narrow<T>(v[j]));
+}
+
 // Calls fn<T>() with T the element type of `dtype` (float dtypes only).
 template <typename Fn>
 void WithFloatType(DType dtype, Fn&& fn) {
@@ -344,6 +406,9 @@ class RowBuffers {
   }
   void* out(size_t i) const { return staged_ ? out_->data + OutOffset(i) : outs_[i].user; }
   bool direct() const { return !staged_; }
+  // The caller's own buffers (the same as in()/out() in direct mode).
+  const void* user_in(size_t i) const { return ins_[i].user; }
+  void* user_out(size_t i) const { return outs_[i].user; }
   // This rank's share of the op's traffic (sizes the small-op path).
   int64_t bytes() const { return in_bytes_ + out_bytes_; }
 
@@ -659,40 +724,91 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
     };
     phases.push_back(std::move(place));
 
-    // Phase 2: every row moves once, source x -> owner's recv_x (DMA work of
-    // the owning NPU), in tasks of runs of expert rows.
+    // Phase 2: each (token, destination rank) pair crosses once, source x ->
+    // the owner's row of the pair that leads it there (DMA work of the owning
+    // NPU), in tasks of runs of expert rows. In direct mode the lead's task
+    // then fans the row out to the token's other rows on that rank (a local
+    // copy; no other task writes those rows: their own tasks skip them).
+    // buffer_centric receives only the leads in the comm buffer and fans out
+    // while staging out.
     Phase exchange;
     const ExpertTasks tasks(p, rb);
     exchange.count = tasks.count(n);
     exchange.run = [p, tasks, ranks, ptrs = PtrTable(s), devices = s.devices, pairs, rb,
                     direct](uint64_t i) {
       const ExpertTasks::Task task = tasks.at(i);
+      const int64_t slots_per_rank = p.local_experts() * p.capacity;
       char* out = static_cast<char*>(ptrs[task.rank][kRecv]);
       const int32_t* sources = ranks[task.rank]->slot_source;
-      int64_t moved = 0, zeroed = 0;
+      int64_t moved = 0, zeroed = 0, fanned = 0;
       for (int64_t row = task.first_row; row < task.end_row; ++row) {
         const int32_t src = sources[row];
         if (src < 0) {
-          std::memset(out + row * rb, 0, rb);
-          zeroed += rb;
+          if (direct) {  // buffer_centric zeroes the user's row while staging out
+            std::memset(out + row * rb, 0, rb);
+            zeroed += rb;
+          }
           continue;
         }
-        const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk;
+        const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk, k = src % p.topk;
+        const int32_t* token_slots = ranks[src_rank]->pair_slot + token * p.topk;
+        if (!LeadsOnRank(token_slots, k, slots_per_rank)) continue;  // its lead's task fills it
         std::memcpy(out + row * rb, static_cast<const char*>(ptrs[src_rank][kX]) + token * rb, rb);
         moved += rb;
+        if (!direct) continue;
+        for (int64_t j = k + 1; j < p.topk; ++j) {
+          const int32_t slot = token_slots[j];
+          if (slot < 0 || slot / slots_per_rank != task.rank) continue;
+          std::memcpy(out + (slot % slots_per_rank) * rb, out + row * rb, rb);
+          fanned += rb;
+        }
       }
       Stats& stats = GlobalStats();
       const bool sdma = MoeDispatchOnSdma(p);
       const int lanes = sdma ? p.engines : p.cores;
-      if (moved + zeroed > 0)
+      if (moved + zeroed + fanned > 0)
         stats.AddLaneBytes(sdma, devices[task.rank], static_cast<int>(task.chunk % lanes), lanes,
-                           2 * moved + zeroed);
+                           2 * (moved + fanned) + zeroed);
       stats.AddExchanged(moved, direct);
+      stats.AddLocal(fanned);
     };
     phases.push_back(std::move(exchange));
     // Results leave the comm buffers only once every row has arrived; no
     // rank completes (letting XLA reuse its x) while a peer may still read it.
-    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
+    // Each lead row is staged out once and fanned out in the user's recv_x.
+    if (!direct) {
+      Phase stage_out;
+      stage_out.count = n;
+      stage_out.run = [p, ranks, pairs, rb](uint64_t rank) {
+        const int64_t slots_per_rank = p.local_experts() * p.capacity;
+        const DispatchRank& me = *ranks[rank];
+        const char* staged = static_cast<const char*>(me.rows.out(0));
+        char* out = static_cast<char*>(me.rows.user_out(0));
+        int64_t copied = 0, fanned = 0;
+        for (int64_t row = 0; row < slots_per_rank; ++row) {
+          const int32_t src = me.slot_source[row];
+          if (src < 0) {
+            std::memset(out + row * rb, 0, rb);
+            continue;
+          }
+          const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk, k = src % p.topk;
+          const int32_t* token_slots = ranks[src_rank]->pair_slot + token * p.topk;
+          if (!LeadsOnRank(token_slots, k, slots_per_rank)) continue;
+          std::memcpy(out + row * rb, staged + row * rb, rb);
+          copied += rb;
+          for (int64_t j = k + 1; j < p.topk; ++j) {
+            const int32_t slot = token_slots[j];
+            if (slot < 0 || slot / slots_per_rank != static_cast<int64_t>(rank)) continue;
+            std::memcpy(out + (slot % slots_per_rank) * rb, out + row * rb, rb);
+            fanned += rb;
+          }
+        }
+        Stats& stats = GlobalStats();
+        stats.bytes_staged += copied;
+        stats.AddLocal(fanned);
+      };
+      phases.push_back(std::move(stage_out));
+    }
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));
@@ -724,52 +840,151 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;
     const int64_t h = p.hidden, k_top = p.topk, rb = p.row_bytes();
-    const int64_t slots_per_rank = p.local_experts() * p.capacity, all_slots = n * slots_per_rank;
+    const int64_t slots_per_rank = p.local_experts() * p.capacity;
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     const bool direct = ranks[0]->rows.direct();
     std::vector<Phase> phases;
-    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
 
-    // Each token's weighted sum runs on its own rank's cores, reading the
-    // expert rows straight from their owners.
-    Phase combine;
+    // y[t] = sum over the ranks r holding t's pairs, ascending, of r's
+    // partial: the sum over t's pairs on r, k ascending, of w * expert row,
+    // in the accumulation type, rounded to the rows' dtype (the one row that
+    // crosses back per (token, rank)); the partials add in the accumulation
+    // type and round once more into y. Same order in both modes and in
+    // moe.py's references.
     const TokenTasks tasks(p);
-    combine.count = tasks.count(n);
     WithFloatType(p.dtype, [&](auto tag) {
       using T = decltype(tag);
       using A = typename AccOf<T>::type;
-      combine.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb, slots_per_rank,
-                     all_slots, direct](uint64_t i) {
+      if (direct) {
+        // One pass on the token's rank: each partial is summed from its
+        // owner's rows and added at once (the owner's reduction, fused).
+        Phase combine;
+        combine.count = tasks.count(n);
+        combine.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
+                       slots_per_rank](uint64_t i) {
+          const TokenTasks::Task task = tasks.at(i);
+          const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
+          const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
+          T* out = static_cast<T*>(ptrs[task.rank][kY]);
+          // The thread's: one per task was an allocation.
+          thread_local std::vector<A> acc, part;
+          thread_local TokenGroups groups;
+          acc.resize(h);
+          part.resize(h);
+          int64_t rows = 0, crossed = 0;
+          for (int64_t t = task.first; t < task.end; ++t) {
+            const int32_t* token_slots = slots + t * k_top;
+            groups.Build(token_slots, k_top, slots_per_rank);
+            if (groups.group_end.empty()) std::fill(acc.begin(), acc.end(), A(0));
+            int32_t begin = 0;
+            for (size_t g = 0; g < groups.group_end.size(); ++g) {
+              const int32_t end = groups.group_end[g];
+              const T* owner_rows = static_cast<const T*>(ptrs[groups.pairs[begin].owner][kEy]);
+              A* sum = g == 0 ? acc.data() : part.data();
+              SumGroup<T, A>(p.dtype, sum, h, groups, begin, end, token_slots, w + t * k_top, owner_rows,
+                             slots_per_rank);
+              if (g == 0) {
+                RoundToRow<T, A>(acc.data(), h);
+              } else {
+                RoundToRow<T, A>(part.data(), h);
+                for (int64_t j = 0; j < h; ++j) acc[j] += part[j];
+              }
+              rows += end - begin;
+              crossed += rb;
+              begin = end;
+            }
+            for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
+          }
+          Stats& stats = GlobalStats();
+          const int64_t touched = (rows + (task.end - task.first)) * rb;
+          if (touched > 0)
+            stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores),
+                               p.cores, touched);
+          stats.AddExchanged(crossed, true);
+          stats.AddLocal(rows * rb);
+        };
+        phases.push_back(std::move(combine));
+        return;
+      }
+      // buffer_centric: each owner stages in only its partials (one row per
+      // (token, rank), at the row of the pair that leads the token there),
+      // peers then read those. The comm buffer holds expert_y's rows, so the
+      // partials fit. A phase per step: every partial is in before any is read.
+      Phase reduce;
+      reduce.count = tasks.count(n);
+      reduce.run = [p, tasks, ranks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
+                    slots_per_rank](uint64_t i) {
         const TokenTasks::Task task = tasks.at(i);
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
         const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
-        T* out = static_cast<T*>(ptrs[task.rank][kY]);
-        thread_local std::vector<A> acc;  // the thread's: one per task was an allocation
-        acc.resize(h);
-        int64_t rows = 0;
+        thread_local std::vector<A> part;
+        thread_local TokenGroups groups;
+        part.resize(h);
+        int64_t rows = 0, staged = 0;
         for (int64_t t = task.first; t < task.end; ++t) {
-          std::fill(acc.begin(), acc.end(), A(0));
-          for (int64_t k = 0; k < k_top; ++k) {
-            const int64_t slot = slots[t * k_top + k];
-            if (slot < 0) continue;  // dropped (values were checked before joining)
-            const T* row = static_cast<const T*>(ptrs[slot / slots_per_rank][kEy]) +
-                           (slot % slots_per_rank) * h;
-            AxpyRow(p.dtype, acc.data(), row, static_cast<double>(w[t * k_top + k]), h);
-            rows++;
+          const int32_t* token_slots = slots + t * k_top;
+          groups.Build(token_slots, k_top, slots_per_rank);
+          int32_t begin = 0;
+          for (const int32_t end : groups.group_end) {
+            const int32_t owner = groups.pairs[begin].owner;
+            SumGroup<T, A>(p.dtype, part.data(), h, groups, begin, end, token_slots, w + t * k_top,
+                           static_cast<const T*>(ranks[owner]->rows.user_in(0)), slots_per_rank);
+            T* lead = static_cast<T*>(ptrs[owner][kEy]) +
+                      (token_slots[groups.pairs[begin].k] % slots_per_rank) * h;
+            for (int64_t j = 0; j < h; ++j) lead[j] = Narrow<T>(part[j]);
+            rows += end - begin;
+            staged += rb;
+            begin = end;
+          }
+        }
+        Stats& stats = GlobalStats();
+        if (rows > 0)
+          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores), p.cores,
+                             rows * rb + staged);
+        stats.bytes_staged += staged;
+        stats.AddLocal(rows * rb);
+      };
+      phases.push_back(std::move(reduce));
+      Phase sum;
+      sum.count = tasks.count(n);
+      sum.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
+                 slots_per_rank](uint64_t i) {
+        const TokenTasks::Task task = tasks.at(i);
+        const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
+        T* out = static_cast<T*>(ptrs[task.rank][kY]);
+        thread_local std::vector<A> acc;
+        thread_local TokenGroups groups;
+        acc.resize(h);
+        int64_t crossed = 0;
+        for (int64_t t = task.first; t < task.end; ++t) {
+          const int32_t* token_slots = slots + t * k_top;
+          groups.Build(token_slots, k_top, slots_per_rank);
+          if (groups.group_end.empty()) std::fill(acc.begin(), acc.end(), A(0));
+          int32_t begin = 0;
+          for (size_t g = 0; g < groups.group_end.size(); ++g) {
+            const int32_t owner = groups.pairs[begin].owner;
+            const T* partial = static_cast<const T*>(ptrs[owner][kEy]) +
+                               (token_slots[groups.pairs[begin].k] % slots_per_rank) * h;
+            if (g == 0)
+              for (int64_t j = 0; j < h; ++j) acc[j] = Widen(partial[j]);
+            else
+              for (int64_t j = 0; j < h; ++j) acc[j] += Widen(partial[j]);
+            crossed += rb;
+            begin = groups.group_end[g];
           }
           for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
         }
         Stats& stats = GlobalStats();
-        const int64_t touched = (rows + (task.end - task.first)) * rb;
+        const int64_t touched = crossed + (task.end - task.first) * rb;
         if (touched > 0)
-          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores),
-                             p.cores, touched);
-        stats.AddExchanged(rows * rb, direct);
+          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores), p.cores,
+                             touched);
+        stats.AddExchanged(crossed, false);
       };
+      phases.push_back(std::move(sum));
+      phases.push_back(StagePhase(ranks, /*in=*/false));
     });
-    phases.push_back(std::move(combine));
-    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));
@@ -844,7 +1059,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;
     const int64_t h = p.hidden, k_top = p.topk, rb = p.row_bytes(), pairs = p.tokens * p.topk;
-    const int64_t slots_per_rank = p.local_experts() * p.capacity, all_slots = n * slots_per_rank;
+    const int64_t slots_per_rank = p.local_experts() * p.capacity;
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     // In range is not enough: the two fields must describe one layout, or a
@@ -857,66 +1072,71 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
     std::vector<Phase> phases;
     if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
 
-    // Two independent task families in one phase: expert rows get the
-    // weighted cotangent of the token that filled them (scatter, like
-    // dispatch); each (token, k) gets its dot product with the expert row.
+    // Two independent task families in one phase. Expert rows: ct_y[t]
+    // crosses once per (token, rank), to the row of the pair that leads the
+    // token there; that row's task then serves every pair of t on the rank:
+    // d_expert_y = w * ct_y for its row and d_weights = <ct_y, expert row>
+    // computed there, only the scalar going back. Token tasks zero the
+    // d_weights of dropped pairs. Each output element has one writer.
     Phase backward;
     const ExpertTasks rows_tasks(p, rb);
     const TokenTasks token_tasks(p);
     const uint64_t first_token_task = rows_tasks.count(n);
     backward.count = first_token_task + token_tasks.count(n);
+    const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
     WithFloatType(p.dtype, [&](auto tag) {
       using T = decltype(tag);
       using A = typename AccOf<T>::type;
       backward.run = [p, rows_tasks, token_tasks, first_token_task, ptrs = PtrTable(s),
-                      devices = s.devices, h, k_top, rb, slots_per_rank, all_slots, pairs,
+                      devices = s.devices, h, k_top, rb, slots_per_rank, pairs, wsize,
                       direct](uint64_t i) {
-        int64_t moved = 0, touched = 0;
+        int64_t crossed = 0, local = 0, touched = 0;
         int npu = 0, lane = 0;
         if (i < first_token_task) {
           const ExpertTasks::Task task = rows_tasks.at(i);
-          T* out = static_cast<T*>(ptrs[task.rank][kDEy]);
+          T* d_ey = static_cast<T*>(ptrs[task.rank][kDEy]);
+          const T* ey = static_cast<const T*>(ptrs[task.rank][kEy]);
           const int32_t* sources = static_cast<const int32_t*>(ptrs[task.rank][kSlotSource]);
           for (int64_t row = task.first_row; row < task.end_row; ++row) {
             const int32_t src = sources[row];
             if (src < 0) {
-              std::fill(out + row * h, out + (row + 1) * h, Narrow<T>(A(0)));
+              std::fill(d_ey + row * h, d_ey + (row + 1) * h, Narrow<T>(A(0)));
               touched += rb;
               continue;
             }
-            const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top;
-            const A w = static_cast<const A*>(ptrs[src_rank][kW])[pair];
-            Scale(out + row * h, static_cast<const T*>(ptrs[src_rank][kCt]) + token * h, w, h);
-            moved += rb;
-            touched += 2 * rb;
+            const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top, k = pair % k_top;
+            const int32_t* token_slots = static_cast<const int32_t*>(ptrs[src_rank][kPairSlot]) + token * k_top;
+            if (!LeadsOnRank(token_slots, k, slots_per_rank)) continue;  // served by its lead
+            const T* ct = static_cast<const T*>(ptrs[src_rank][kCt]) + token * h;
+            const A* w = static_cast<const A*>(ptrs[src_rank][kW]) + token * k_top;
+            A* dw = static_cast<A*>(ptrs[src_rank][kDW]) + token * k_top;
+            crossed += rb;
+            for (int64_t j = k; j < k_top; ++j) {
+              const int32_t slot = token_slots[j];
+              if (slot < 0 || slot / slots_per_rank != task.rank) continue;
+              const int64_t r = slot % slots_per_rank;
+              Scale(d_ey + r * h, ct, w[j], h);
+              dw[j] = Dot<T, A>(ct, ey + r * h, h);
+              crossed += wsize;
+              if (j > k) local += rb;  // the received ct_y row, reused
+              touched += 4 * rb;
+            }
           }
           npu = devices[task.rank];
           lane = static_cast<int>(task.chunk % p.cores);
         } else {
           const TokenTasks::Task task = token_tasks.at(i - first_token_task);
           const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kPairSlot]);
-          const T* ct = static_cast<const T*>(ptrs[task.rank][kCt]);
           A* dw = static_cast<A*>(ptrs[task.rank][kDW]);
-          for (int64_t t = task.first; t < task.end; ++t) {
-            for (int64_t k = 0; k < k_top; ++k) {
-              const int64_t slot = slots[t * k_top + k];
-              if (slot < 0) {
-                dw[t * k_top + k] = 0;
-                continue;
-              }
-              const T* row = static_cast<const T*>(ptrs[slot / slots_per_rank][kEy]) +
-                             (slot % slots_per_rank) * h;
-              dw[t * k_top + k] = Dot<T, A>(ct + t * h, row, h);
-              moved += rb;
-              touched += 2 * rb;
-            }
-          }
+          for (int64_t pair = task.first * k_top; pair < task.end * k_top; ++pair)
+            if (slots[pair] < 0) dw[pair] = 0;
           npu = devices[task.rank];
           lane = static_cast<int>(task.chunk % p.cores);
         }
         Stats& stats = GlobalStats();
         if (touched > 0) stats.AddLaneBytes(false, npu, lane, p.cores, touched);
-        stats.AddExchanged(moved, direct);
+        stats.AddExchanged(crossed, direct);
+        stats.AddLocal(local);
       };
     });
     phases.push_back(std::move(backward));

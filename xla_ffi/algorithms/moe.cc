@@ -132,7 +132,7 @@ inline A Dot(const T* a, const T* b, int64_t n) {
 // partial sum back), and the others are served from it on that rank.
 // `slots` are the token's K pair slots (-1: dropped); pair k is kept.
 inline bool LeadsOnRank(const int32_t* slots, int64_t k, int64_t slots_per_rank) {
-  const int32_t owner = slots[k] / static_cast<int32_t>(slots_per_rank);
+  const int64_t owner = slots[k] / slots_per_rank;
   for (int64_t j = 0; j < k; ++j)
     if (slots[j] >= 0 && slots[j] / slots_per_rank == owner) return false;
   return true;
@@ -145,9 +145,8 @@ struct TokenGroups {
   struct Pair {
     int32_t owner, k;
   };
-  std::vector<Pair> pairs;  // the thread's: reused token after token
-  // group_end[g]: one past the last pair of group g
-  std::vector<int32_t> group_end;
+  std::vector<Pair> pairs;
+  std::vector<int32_t> group_end;  // group g is pairs [group_end[g-1], group_end[g])
 
   void Build(const int32_t* slots, int64_t k_top, int64_t slots_per_rank) {
     pairs.clear();
@@ -169,23 +168,56 @@ struct TokenGroups {
 };
 
 // Combine's sum of one group of a token's pairs (those on one rank, k
-// ascending): part = sum of w[k] * row of pair k, in the accumulation type.
-// `rows`: the owning rank's expert rows.
+// ascending): part = sum of w[k] * row of pair k from zero, in the
+// accumulation type. `rows`: the owning rank's expert rows. For float32 and
+// float64 rows the first term is assigned, not added to a zero fill (one
+// pass less): w * row + 0 is 0 + w * row, a -0 product included (there
+// AxpyRoundedRow rounds nothing).
 template <typename T, typename A>
 void SumGroup(DType dtype, A* part, int64_t h, const TokenGroups& groups, int32_t begin, int32_t end,
               const int32_t* token_slots, const A* token_w, const T* rows, int64_t slots_per_rank) {
-  std::fill(part, part + h, A(0));
-  for (int32_t i = begin; i < end; ++i) {
+  int32_t i = begin;
+  if constexpr (sizeof(T) == sizeof(A)) {
+    const int32_t k = groups.pairs[i++].k;
+    AxpyRoundedRow(dtype, part, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]),
+                   /*add=*/false, h);
+  } else {
+    std::fill(part, part + h, A(0));
+  }
+  for (; i < end; ++i) {
     const int32_t k = groups.pairs[i].k;
     AxpyRow(dtype, part, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]), h);
   }
 }
 
-// The partial row crosses back in the rows' dtype: v = widen(narrow(v)).
+// Direct mode's combine of one token group [begin, end) (its pairs on one
+// rank): acc = partial for the first group, acc += partial after, each
+// partial as SumGroup computes it, rounded to T (AddRoundedRow; a one-pair
+// group in one pass, AxpyRoundedRow). For float32 and float64 rows the
+// rounding is nothing and a one-pair group after the first is AxpyRow's
+// acc + w * row (acc is never -0 there, so adding the partial w * row + 0
+// gives the same bits). `part`: scratch of h.
 template <typename T, typename A>
-void RoundToRow(A* v, int64_t h) {
-  if constexpr (sizeof(T) == sizeof(A)) return;
-  for (int64_t j = 0; j < h; ++j) v[j] = Widen(Narrow<T>(v[j]));
+void AddGroup(DType dtype, A* acc, A* part, bool first, int64_t h, const TokenGroups& groups,
+              int32_t begin, int32_t end, const int32_t* token_slots, const A* token_w, const T* rows,
+              int64_t slots_per_rank) {
+  constexpr bool kRounds = sizeof(T) != sizeof(A);
+  if (end - begin == 1 && (kRounds || !first)) {
+    const int32_t k = groups.pairs[begin].k;
+    const T* row = rows + (token_slots[k] % slots_per_rank) * h;
+    if (kRounds)
+      AxpyRoundedRow(dtype, acc, row, static_cast<double>(token_w[k]), /*add=*/!first, h);
+    else
+      AxpyRow(dtype, acc, row, static_cast<double>(token_w[k]), h);
+    return;
+  }
+  if (first) {
+    SumGroup<T, A>(dtype, acc, h, groups, begin, end, token_slots, token_w, rows, slots_per_rank);
+    if (kRounds) AddRoundedRow(dtype, acc, acc, /*add=*/false, h);
+    return;
+  }
+  SumGroup<T, A>(dtype, part, h, groups, begin, end, token_slots, token_w, rows, slots_per_rank);
+  AddRoundedRow(dtype, acc, part, /*add=*/true, h);
 }
 
 // Calls fn<T>() with T the element type of `dtype` (float dtypes only).
@@ -881,15 +913,8 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
             for (size_t g = 0; g < groups.group_end.size(); ++g) {
               const int32_t end = groups.group_end[g];
               const T* owner_rows = static_cast<const T*>(ptrs[groups.pairs[begin].owner][kEy]);
-              A* sum = g == 0 ? acc.data() : part.data();
-              SumGroup<T, A>(p.dtype, sum, h, groups, begin, end, token_slots, w + t * k_top, owner_rows,
-                             slots_per_rank);
-              if (g == 0) {
-                RoundToRow<T, A>(acc.data(), h);
-              } else {
-                RoundToRow<T, A>(part.data(), h);
-                for (int64_t j = 0; j < h; ++j) acc[j] += part[j];
-              }
+              AddGroup<T, A>(p.dtype, acc.data(), part.data(), g == 0, h, groups, begin, end, token_slots,
+                             w + t * k_top, owner_rows, slots_per_rank);
               rows += end - begin;
               crossed += rb;
               begin = end;

@@ -130,11 +130,17 @@ inline A Dot(const T* a, const T* b, int64_t n) {
 // K experts live there. Of the token's pairs on one rank, the one with the
 // lowest k leads: it carries the row across (or, in combine, the rank's one
 // partial sum back), and the others are served from it on that rank.
-// `slots` are the token's K pair slots (-1: dropped); pair k is kept.
-inline bool LeadsOnRank(const int32_t* slots, int64_t k, int64_t slots_per_rank) {
-  const int64_t owner = slots[k] / slots_per_rank;
+// `slots` are the token's K pair slots (-1: dropped); pair k is kept, on
+// the rank whose slots are `rank` (no division per pair: a 64-bit divide
+// per pair was most of dispatch's time per row).
+struct RankSlots {
+  int64_t first, end;  // [first, end): the global slots of one rank
+  RankSlots(int64_t rank, int64_t slots_per_rank) : first(rank * slots_per_rank), end(first + slots_per_rank) {}
+  bool Holds(int32_t slot) const { return slot >= first && slot < end; }
+};
+inline bool LeadsOnRank(const int32_t* slots, int64_t k, const RankSlots& rank) {
   for (int64_t j = 0; j < k; ++j)
-    if (slots[j] >= 0 && slots[j] / slots_per_rank == owner) return false;
+    if (rank.Holds(slots[j])) return false;
   return true;
 }
 
@@ -153,7 +159,7 @@ struct TokenGroups {
     group_end.clear();
     for (int64_t k = 0; k < k_top; ++k) {
       if (slots[k] < 0) continue;
-      const Pair p{static_cast<int32_t>(slots[k] / slots_per_rank), static_cast<int32_t>(k)};
+      const Pair p{slots[k] / static_cast<int32_t>(slots_per_rank), static_cast<int32_t>(k)};
       size_t i = pairs.size();  // insertion sort by owner, stable in k: K is small
       pairs.push_back(p);
       while (i > 0 && pairs[i - 1].owner > p.owner) {
@@ -770,6 +776,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
                     direct](uint64_t i) {
       const ExpertTasks::Task task = tasks.at(i);
       const int64_t slots_per_rank = p.local_experts() * p.capacity;
+      const RankSlots mine(task.rank, slots_per_rank);
       char* out = static_cast<char*>(ptrs[task.rank][kRecv]);
       const int32_t* sources = ranks[task.rank]->slot_source;
       int64_t moved = 0, zeroed = 0, fanned = 0;
@@ -784,14 +791,14 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
         }
         const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk, k = src % p.topk;
         const int32_t* token_slots = ranks[src_rank]->pair_slot + token * p.topk;
-        if (!LeadsOnRank(token_slots, k, slots_per_rank)) continue;  // its lead's task fills it
+        if (!LeadsOnRank(token_slots, k, mine)) continue;  // its lead's task fills it
         std::memcpy(out + row * rb, static_cast<const char*>(ptrs[src_rank][kX]) + token * rb, rb);
         moved += rb;
         if (!direct) continue;
         for (int64_t j = k + 1; j < p.topk; ++j) {
           const int32_t slot = token_slots[j];
-          if (slot < 0 || slot / slots_per_rank != task.rank) continue;
-          std::memcpy(out + (slot % slots_per_rank) * rb, out + row * rb, rb);
+          if (!mine.Holds(slot)) continue;
+          std::memcpy(out + (slot - mine.first) * rb, out + row * rb, rb);
           fanned += rb;
         }
       }
@@ -813,6 +820,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       stage_out.count = n;
       stage_out.run = [p, ranks, pairs, rb](uint64_t rank) {
         const int64_t slots_per_rank = p.local_experts() * p.capacity;
+        const RankSlots mine(static_cast<int64_t>(rank), slots_per_rank);
         const DispatchRank& me = *ranks[rank];
         const char* staged = static_cast<const char*>(me.rows.out(0));
         char* out = static_cast<char*>(me.rows.user_out(0));
@@ -825,13 +833,13 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
           }
           const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk, k = src % p.topk;
           const int32_t* token_slots = ranks[src_rank]->pair_slot + token * p.topk;
-          if (!LeadsOnRank(token_slots, k, slots_per_rank)) continue;
+          if (!LeadsOnRank(token_slots, k, mine)) continue;
           std::memcpy(out + row * rb, staged + row * rb, rb);
           copied += rb;
           for (int64_t j = k + 1; j < p.topk; ++j) {
             const int32_t slot = token_slots[j];
-            if (slot < 0 || slot / slots_per_rank != static_cast<int64_t>(rank)) continue;
-            std::memcpy(out + (slot % slots_per_rank) * rb, out + row * rb, rb);
+            if (!mine.Holds(slot)) continue;
+            std::memcpy(out + (slot - mine.first) * rb, out + row * rb, rb);
             fanned += rb;
           }
         }
@@ -1119,6 +1127,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
         int npu = 0, lane = 0;
         if (i < first_token_task) {
           const ExpertTasks::Task task = rows_tasks.at(i);
+          const RankSlots mine(task.rank, slots_per_rank);
           T* d_ey = static_cast<T*>(ptrs[task.rank][kDEy]);
           const T* ey = static_cast<const T*>(ptrs[task.rank][kEy]);
           const int32_t* sources = static_cast<const int32_t*>(ptrs[task.rank][kSlotSource]);
@@ -1131,15 +1140,15 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
             }
             const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top, k = pair % k_top;
             const int32_t* token_slots = static_cast<const int32_t*>(ptrs[src_rank][kPairSlot]) + token * k_top;
-            if (!LeadsOnRank(token_slots, k, slots_per_rank)) continue;  // served by its lead
+            if (!LeadsOnRank(token_slots, k, mine)) continue;  // served by its lead
             const T* ct = static_cast<const T*>(ptrs[src_rank][kCt]) + token * h;
             const A* w = static_cast<const A*>(ptrs[src_rank][kW]) + token * k_top;
             A* dw = static_cast<A*>(ptrs[src_rank][kDW]) + token * k_top;
             crossed += rb;
             for (int64_t j = k; j < k_top; ++j) {
               const int32_t slot = token_slots[j];
-              if (slot < 0 || slot / slots_per_rank != task.rank) continue;
-              const int64_t r = slot % slots_per_rank;
+              if (!mine.Holds(slot)) continue;
+              const int64_t r = slot - mine.first;
               Scale(d_ey + r * h, ct, w[j], h);
               dw[j] = Dot<T, A>(ct, ey + r * h, h);
               crossed += wsize;

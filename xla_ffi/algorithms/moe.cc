@@ -96,12 +96,14 @@ inline float Widen(Bf16 v) {
 }
 
 template <typename T> inline T Narrow(typename AccOf<T>::type v) { return static_cast<T>(v); }
+// Without a branch (NaN: quieted), so the loops storing rows vectorise.
 template <> inline Bf16 Narrow<Bf16>(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((bits >> 16) | 0x40)};
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-  return Bf16{static_cast<uint16_t>(bits >> 16)};
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // nearest even
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  const uint32_t is_nan = 0u - static_cast<uint32_t>((bits & 0x7fffffffu) > 0x7f800000u);
+  return Bf16{static_cast<uint16_t>((quiet_nan & is_nan) | (rounded & ~is_nan))};
 }
 
 // The weighted accumulation of a row (acc += w * row) is AxpyRow

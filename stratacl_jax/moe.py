@@ -254,11 +254,13 @@ def _combine_across(expert_y, weights, pair_slot, slot_source, axes):
 
 
 def _sum_by_rank(rows, weights, owner, dtype):
-    """combine's sum in the runtime's order (moe.cc): per token, the pairs on one
-    rank summed in k order (weight x row in the accumulation type of ``weights``),
-    that partial rounded to ``dtype`` (the row that crosses back), the partials
-    added in ascending rank order and rounded once more. rows [T, K, H];
-    weights [T, K]; owner [T, K]: the rank holding the pair's row, -1 if dropped."""
+    """combine's sum in the runtime's order (moe.cc): per token, from zero, in
+    ascending rank order, each rank's contribution added in the accumulation
+    type of ``weights``: weight x row for a rank holding one of the token's
+    pairs; for several, their partial (weight x row summed from zero in k
+    order) rounded to ``dtype`` (the row that crosses back); the sum rounded
+    to ``dtype``. rows [T, K, H]; weights [T, K]; owner [T, K]: the rank
+    holding the pair's row, -1 if dropped."""
     t, k, h = rows.shape
     acc_dtype = weights.dtype
     last = jnp.iinfo(jnp.int32).max  # dropped pairs sort after every rank
@@ -269,15 +271,16 @@ def _sum_by_rank(rows, weights, owner, dtype):
     w = jnp.take_along_axis(weights, order, axis=1)
     acc = jnp.zeros((t, h), acc_dtype)
     part = jnp.zeros((t, h), acc_dtype)
-    started = jnp.zeros((t, 1), bool)
+    count = jnp.zeros((t, 1), jnp.int32)  # pairs in the rank's group so far
     for j in range(k):
         part = part + w[:, j, None] * rows[:, j].astype(acc_dtype)
+        count = count + 1
         following = key[:, j + 1] if j + 1 < k else jnp.full((t,), last, jnp.int32)
         ends = ((key[:, j] != following) & (key[:, j] != last))[:, None]  # a rank's group ends here
         rounded = part.astype(dtype).astype(acc_dtype)
-        acc = jnp.where(ends, jnp.where(started, acc + rounded, rounded), acc)
-        started = started | ends
+        acc = jnp.where(ends, acc + jnp.where(count == 1, part, rounded), acc)
         part = jnp.where(ends, jnp.zeros((), acc_dtype), part)
+        count = jnp.where(ends, 0, count)
     return acc.astype(dtype)
 
 
@@ -343,12 +346,13 @@ def combine(expert_y, handle: DispatchHandle, topk_weights):
     token's own rank; a dropped pair contributes 0.
 
     ``expert_y [E_local, capacity, H]`` (float32, float64, float16 or
-    bfloat16); ``topk_weights [T, K]``. The sum order is fixed (the same on
-    every rank and run, and in :func:`reference_combine`): the token's pairs
-    on one rank, in k order, are summed in float32 (float64 for float64 rows)
-    on that rank and the partial rounded to ``expert_y``'s dtype (the one row
-    that crosses back); the partials of the ranks, ascending, are added in
-    float32 (float64) and rounded once more to ``expert_y``'s dtype.
+    bfloat16); ``topk_weights [T, K]``. Sums run in float32 (float64 for
+    float64 rows) in a fixed order (the same on every rank and run, and in
+    :func:`reference_combine`): from zero, the ranks holding the token's pairs
+    in ascending order, each adding one row: the weighted expert row when the
+    rank holds one of the pairs, else the sum of its pairs' weighted rows in
+    k order, made on that rank and rounded to ``expert_y``'s dtype (the row
+    that crosses back); the total is rounded to ``expert_y``'s dtype.
     """
     expert_y = jnp.asarray(expert_y)
     topk_weights = jnp.asarray(topk_weights)

@@ -47,8 +47,9 @@ def crossings(slot):
 
 def np_combine_in_order(ey_rows, flat_slot, w, dtype):
     """combine's documented order in numpy (which rounds every product and sum):
-    per token, each rank's pairs in k order summed in float32 and rounded to
-    the rows' dtype, the ranks' partials added in ascending rank order."""
+    per token, from zero, ranks ascending, float32: w * row for a rank holding
+    one pair, else that rank's pairs summed in k order and rounded to the
+    rows' dtype; the total rounded to the rows' dtype."""
     y = np.zeros((flat_slot.shape[0], H), dtype)
     for t, token_slots in enumerate(flat_slot):
         groups = {}
@@ -56,12 +57,11 @@ def np_combine_in_order(ey_rows, flat_slot, w, dtype):
             if s >= 0:
                 groups.setdefault(s // (EL * CAP), []).append(k)
         acc = np.zeros(H, np.float32)
-        for g, owner in enumerate(sorted(groups)):
+        for owner in sorted(groups):
             part = np.zeros(H, np.float32)
             for k in groups[owner]:
                 part = part + w[t, k] * ey_rows[token_slots[k]].astype(np.float32)
-            part = part.astype(dtype).astype(np.float32)
-            acc = part if g == 0 else acc + part
+            acc = acc + (part if len(groups[owner]) == 1 else part.astype(dtype).astype(np.float32))
         y[t] = acc.astype(dtype)
     return y
 

@@ -391,9 +391,10 @@ def test_moe_combine_under_every_variant(mesh8, dtype):
     """The combine's weighted accumulation (AxpyRow and the rounded partials)
     follows the same choice: one compiled program under each variant gives
     the bits of a numpy model of combine's order (float32 accumulator, float64
-    for float64 rows; each product rounded, then added: a token's pairs on one
-    rank in k order, that partial rounded to the row type, the ranks' partials
-    added in ascending rank order, rounded once more to the row type)."""
+    for float64 rows; each product rounded, then added; from zero, ranks
+    ascending: a rank holding one of the token's pairs adds w * row, one
+    holding several adds their sum in k order rounded to the row type; the
+    total rounded to the row type)."""
     from test_moe import np_dispatch, np_layout
 
     n, t, h, k, e, cap = 8, 16, 40, 3, 16, 5
@@ -428,14 +429,13 @@ def test_moe_combine_under_every_variant(mesh8, dtype):
     want = np.zeros((n, t, h), dt)
     for (r, i), token_slots in zip(np.ndindex(n, t), slot.reshape(n * t, k)):
         acc = np.zeros(h, acc_t)
-        owners = sorted({s // slots_per_rank for s in token_slots if s >= 0})
-        for g, owner in enumerate(owners):
-            part = np.zeros(h, acc_t)
+        for owner in sorted({s // slots_per_rank for s in token_slots if s >= 0}):
+            part, pairs = np.zeros(h, acc_t), 0
             for j, s in enumerate(token_slots):
                 if s >= 0 and s // slots_per_rank == owner:
                     part = part + w[r, i, j].astype(acc_t) * rows[s].astype(acc_t)
-            part = part.astype(dt).astype(acc_t)
-            acc = part if g == 0 else acc + part
+                    pairs += 1
+            acc = acc + (part if pairs == 1 else part.astype(dt).astype(acc_t))
         want[r, i] = acc.astype(dt)
     want = want.reshape(n * t, h)
     for isa, got in outs.items():

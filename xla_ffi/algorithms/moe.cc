@@ -175,57 +175,34 @@ struct TokenGroups {
   }
 };
 
-// Combine's sum of one group of a token's pairs (those on one rank, k
-// ascending): part = sum of w[k] * row of pair k from zero, in the
-// accumulation type. `rows`: the owning rank's expert rows. For float32 and
-// float64 rows the first term is assigned, not added to a zero fill (one
-// pass less): w * row + 0 is 0 + w * row, a -0 product included (there
-// AxpyRoundedRow rounds nothing).
+// Combine's partial of one group of a token's pairs (those on one rank, k
+// ascending, two or more): part = 0 + sum of w[k] * row of pair k, in the
+// accumulation type. `rows`: the owning rank's expert rows.
 template <typename T, typename A>
 void SumGroup(DType dtype, A* part, int64_t h, const TokenGroups& groups, int32_t begin, int32_t end,
               const int32_t* token_slots, const A* token_w, const T* rows, int64_t slots_per_rank) {
-  int32_t i = begin;
-  if constexpr (sizeof(T) == sizeof(A)) {
-    const int32_t k = groups.pairs[i++].k;
-    AxpyRoundedRow(dtype, part, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]),
-                   /*add=*/false, h);
-  } else {
-    std::fill(part, part + h, A(0));
-  }
-  for (; i < end; ++i) {
+  std::fill(part, part + h, A(0));
+  for (int32_t i = begin; i < end; ++i) {
     const int32_t k = groups.pairs[i].k;
     AxpyRow(dtype, part, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]), h);
   }
 }
 
 // Direct mode's combine of one token group [begin, end) (its pairs on one
-// rank): acc = partial for the first group, acc += partial after, each
-// partial as SumGroup computes it, rounded to T (AddRoundedRow; a one-pair
-// group in one pass, AxpyRoundedRow). For float32 and float64 rows the
-// rounding is nothing and a one-pair group after the first is AxpyRow's
-// acc + w * row (acc is never -0 there, so adding the partial w * row + 0
-// gives the same bits). `part`: scratch of h.
+// rank): acc += w * row for a group of one pair (its row crosses as it is
+// and is weighted on arrival), acc += the partial rounded to T for more
+// (summed on the owning rank; one row crosses). `part`: scratch of h.
 template <typename T, typename A>
-void AddGroup(DType dtype, A* acc, A* part, bool first, int64_t h, const TokenGroups& groups,
-              int32_t begin, int32_t end, const int32_t* token_slots, const A* token_w, const T* rows,
+void AddGroup(DType dtype, A* acc, A* part, int64_t h, const TokenGroups& groups, int32_t begin,
+              int32_t end, const int32_t* token_slots, const A* token_w, const T* rows,
               int64_t slots_per_rank) {
-  constexpr bool kRounds = sizeof(T) != sizeof(A);
-  if (end - begin == 1 && (kRounds || !first)) {
+  if (end - begin == 1) {
     const int32_t k = groups.pairs[begin].k;
-    const T* row = rows + (token_slots[k] % slots_per_rank) * h;
-    if (kRounds)
-      AxpyRoundedRow(dtype, acc, row, static_cast<double>(token_w[k]), /*add=*/!first, h);
-    else
-      AxpyRow(dtype, acc, row, static_cast<double>(token_w[k]), h);
-    return;
-  }
-  if (first) {
-    SumGroup<T, A>(dtype, acc, h, groups, begin, end, token_slots, token_w, rows, slots_per_rank);
-    if (kRounds) AddRoundedRow(dtype, acc, acc, /*add=*/false, h);
+    AxpyRow(dtype, acc, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]), h);
     return;
   }
   SumGroup<T, A>(dtype, part, h, groups, begin, end, token_slots, token_w, rows, slots_per_rank);
-  AddRoundedRow(dtype, acc, part, /*add=*/true, h);
+  AddRoundedRow(dtype, acc, part, h);
 }
 
 // Calls fn<T>() with T the element type of `dtype` (float dtypes only).
@@ -888,12 +865,12 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     const bool direct = ranks[0]->rows.direct();
     std::vector<Phase> phases;
 
-    // y[t] = sum over the ranks r holding t's pairs, ascending, of r's
-    // partial: the sum over t's pairs on r, k ascending, of w * expert row,
-    // in the accumulation type, rounded to the rows' dtype (the one row that
-    // crosses back per (token, rank)); the partials add in the accumulation
-    // type and round once more into y. Same order in both modes and in
-    // moe.py's references.
+    // y[t] = from zero, over the ranks r holding t's pairs, ascending, in the
+    // accumulation type: w * expert row if r holds one of t's pairs (the row
+    // crosses as it is), else r's partial, the sum of w * row over t's pairs
+    // on r in k order, rounded to the rows' dtype (the one row that crosses
+    // back); y is that rounded to the rows' dtype. Same order in both modes
+    // and in moe.py's references.
     const TokenTasks tasks(p);
     WithFloatType(p.dtype, [&](auto tag) {
       using T = decltype(tag);
@@ -901,6 +878,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
       if (direct) {
         // One pass on the token's rank: each partial is summed from its
         // owner's rows and added at once (the owner's reduction, fused).
+        // Every token row starts from zero.
         Phase combine;
         combine.count = tasks.count(n);
         combine.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
@@ -918,12 +896,11 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
           for (int64_t t = task.first; t < task.end; ++t) {
             const int32_t* token_slots = slots + t * k_top;
             groups.Build(token_slots, k_top, slots_per_rank);
-            if (groups.group_end.empty()) std::fill(acc.begin(), acc.end(), A(0));
+            std::fill(acc.begin(), acc.end(), A(0));
             int32_t begin = 0;
-            for (size_t g = 0; g < groups.group_end.size(); ++g) {
-              const int32_t end = groups.group_end[g];
+            for (const int32_t end : groups.group_end) {
               const T* owner_rows = static_cast<const T*>(ptrs[groups.pairs[begin].owner][kEy]);
-              AddGroup<T, A>(p.dtype, acc.data(), part.data(), g == 0, h, groups, begin, end, token_slots,
+              AddGroup<T, A>(p.dtype, acc.data(), part.data(), h, groups, begin, end, token_slots,
                              w + t * k_top, owner_rows, slots_per_rank);
               rows += end - begin;
               crossed += rb;
@@ -942,9 +919,9 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
         phases.push_back(std::move(combine));
         return;
       }
-      // buffer_centric: each owner stages in only its partials (one row per
-      // (token, rank), at the row of the pair that leads the token there),
-      // peers then read those. The comm buffer holds expert_y's rows, so the
+      // buffer_centric: each owner stages in only what crosses (one row per
+      // (token, rank): the expert row or the rounded partial, at the row of
+      // the pair that leads the token there), peers then read those. The comm buffer holds expert_y's rows, so the
       // partials fit. A phase per step: every partial is in before any is read.
       Phase reduce;
       reduce.count = tasks.count(n);
@@ -963,11 +940,16 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
           int32_t begin = 0;
           for (const int32_t end : groups.group_end) {
             const int32_t owner = groups.pairs[begin].owner;
-            SumGroup<T, A>(p.dtype, part.data(), h, groups, begin, end, token_slots, w + t * k_top,
-                           static_cast<const T*>(ranks[owner]->rows.user_in(0)), slots_per_rank);
-            T* lead = static_cast<T*>(ptrs[owner][kEy]) +
-                      (token_slots[groups.pairs[begin].k] % slots_per_rank) * h;
-            for (int64_t j = 0; j < h; ++j) lead[j] = Narrow<T>(part[j]);
+            const T* owner_rows = static_cast<const T*>(ranks[owner]->rows.user_in(0));
+            const int64_t lead_row = token_slots[groups.pairs[begin].k] % slots_per_rank;
+            T* lead = static_cast<T*>(ptrs[owner][kEy]) + lead_row * h;
+            if (end - begin == 1) {  // the row itself, weighted on arrival
+              std::memcpy(lead, owner_rows + lead_row * h, rb);
+            } else {
+              SumGroup<T, A>(p.dtype, part.data(), h, groups, begin, end, token_slots, w + t * k_top,
+                             owner_rows, slots_per_rank);
+              for (int64_t j = 0; j < h; ++j) lead[j] = Narrow<T>(part[j]);
+            }
             rows += end - begin;
             staged += rb;
             begin = end;
@@ -987,6 +969,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
                  slots_per_rank](uint64_t i) {
         const TokenTasks::Task task = tasks.at(i);
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
+        const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
         T* out = static_cast<T*>(ptrs[task.rank][kY]);
         thread_local std::vector<A> acc;
         thread_local TokenGroups groups;
@@ -995,18 +978,16 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
         for (int64_t t = task.first; t < task.end; ++t) {
           const int32_t* token_slots = slots + t * k_top;
           groups.Build(token_slots, k_top, slots_per_rank);
-          if (groups.group_end.empty()) std::fill(acc.begin(), acc.end(), A(0));
+          std::fill(acc.begin(), acc.end(), A(0));
           int32_t begin = 0;
-          for (size_t g = 0; g < groups.group_end.size(); ++g) {
-            const int32_t owner = groups.pairs[begin].owner;
-            const T* partial = static_cast<const T*>(ptrs[owner][kEy]) +
-                               (token_slots[groups.pairs[begin].k] % slots_per_rank) * h;
-            if (g == 0)
-              for (int64_t j = 0; j < h; ++j) acc[j] = Widen(partial[j]);
-            else
-              for (int64_t j = 0; j < h; ++j) acc[j] += Widen(partial[j]);
+          for (const int32_t end : groups.group_end) {
+            const int32_t owner = groups.pairs[begin].owner, lead_k = groups.pairs[begin].k;
+            const T* staged = static_cast<const T*>(ptrs[owner][kEy]) + (token_slots[lead_k] % slots_per_rank) * h;
+            // One pair: its row, weighted here; more: their rounded partial (x 1 is exact).
+            const double weight = end - begin == 1 ? static_cast<double>(w[t * k_top + lead_k]) : 1.0;
+            AxpyRow(p.dtype, acc.data(), staged, weight, h);
             crossed += rb;
-            begin = groups.group_end[g];
+            begin = end;
           }
           for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
         }

@@ -94,9 +94,9 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
                       int32_t* dropped, MoeDone done);
 
 // y[t] = sum_k weights[t, k] * expert_y[slot of (t, k)], dropped pairs adding 0,
-// in a fixed order: per rank holding t's pairs, ascending, the sum of its
-// pairs in k order (accumulation type), rounded to the rows' dtype; those
-// partials added in the accumulation type and rounded into y.
+// in a fixed order (accumulation type, from zero): per rank holding t's
+// pairs, ascending, w * row if it holds one of them, else the sum of its
+// pairs' w * row in k order rounded to the rows' dtype; then rounded into y.
 // Layout operands (pair_slot, slot_source) come from a DispatchHandle the
 // user may have changed: every value is checked before it indexes a buffer,
 // and one out of range is an error naming the op, the rank and the value.

@@ -14,7 +14,6 @@ struct IsaEntry {
   ReduceFn fn;  // nullptr: not built by this compiler / for this target
   AxpyRowFn axpy;
   AddRoundedRowFn add_rounded;
-  AxpyRoundedRowFn axpy_rounded;
   bool (*supported)();
 };
 
@@ -35,16 +34,16 @@ bool Always() { return true; }
 
 // Narrowest first.
 const IsaEntry kIsas[] = {
-    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AddRoundedRow, &isa_baseline::AxpyRoundedRow, &Always},
+    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AddRoundedRow, &Always},
 #ifdef STRATA_REDUCE_HAVE_AVX2
-    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AddRoundedRow, &isa_avx2::AxpyRoundedRow, &CpuHasAvx2},
+    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AddRoundedRow, &CpuHasAvx2},
 #else
-    {"avx2", nullptr, nullptr, nullptr, nullptr, &CpuHasAvx2},
+    {"avx2", nullptr, nullptr, nullptr, &CpuHasAvx2},
 #endif
 #ifdef STRATA_REDUCE_HAVE_AVX512
-    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AddRoundedRow, &isa_avx512::AxpyRoundedRow, &CpuHasAvx512},
+    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AddRoundedRow, &CpuHasAvx512},
 #else
-    {"avx512", nullptr, nullptr, nullptr, nullptr, &CpuHasAvx512},
+    {"avx512", nullptr, nullptr, nullptr, &CpuHasAvx512},
 #endif
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
@@ -129,12 +128,8 @@ void AxpyRow(DType row_dtype, void* acc, const void* row, double w, int64_t n) {
   g_isa.load(std::memory_order_relaxed)->axpy(row_dtype, acc, row, w, n);
 }
 
-void AddRoundedRow(DType row_dtype, void* acc, const void* part, bool add, int64_t n) {
-  g_isa.load(std::memory_order_relaxed)->add_rounded(row_dtype, acc, part, add, n);
-}
-
-void AxpyRoundedRow(DType row_dtype, void* acc, const void* row, double w, bool add, int64_t n) {
-  g_isa.load(std::memory_order_relaxed)->axpy_rounded(row_dtype, acc, row, w, add, n);
+void AddRoundedRow(DType row_dtype, void* acc, const void* part, int64_t n) {
+  g_isa.load(std::memory_order_relaxed)->add_rounded(row_dtype, acc, part, n);
 }
 
 std::string SetReduceIsa(const std::string& isa) {

@@ -22,12 +22,8 @@ void AxpyRow(DType dtype, void* acc, const void* row, double w, int64_t n) {
   AxpyRowImpl(dtype, acc, row, w, n);
 }
 
-void AddRoundedRow(DType dtype, void* acc, const void* part, bool add, int64_t n) {
-  AddRoundedRowImpl(dtype, acc, part, add, n);
-}
-
-void AxpyRoundedRow(DType dtype, void* acc, const void* row, double w, bool add, int64_t n) {
-  AxpyRoundedRowImpl(dtype, acc, row, w, add, n);
+void AddRoundedRow(DType dtype, void* acc, const void* part, int64_t n) {
+  AddRoundedRowImpl(dtype, acc, part, n);
 }
 
 }  // namespace isa_avx512

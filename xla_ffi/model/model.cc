@@ -621,10 +621,10 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
   } else if (op == 1) {
     // The owners sum each token's rows on their rank into one partial,
     // then each token's rank reads one row per owner and adds them. A token
-    // with one pair on a rank needs no partial in strata mode: its row
-    // itself crosses and is weighted on arrival (the same bits, the same
-    // bytes). buffer_centric stages every partial in the comm buffer (its
-    // staging in).
+    // with one pair on a rank needs no partial: its row crosses as it is and
+    // is weighted on arrival (the runtime's order). buffer_centric stages
+    // what crosses in the comm buffer (its staging in): the partials, and
+    // those rows, copied.
     ModelPhase partials;
     partials.kind = s.buffer_centric ? kStageIn : kExchange;
     partials.lanes = kCore;

@@ -392,7 +392,7 @@ def run(args) -> Report:
     redops = redops_of(args.redop)
     if getattr(args, "model_only", False):
         args.datatype = dtypes[0]
-        return modeled.collectives_sweep(args)
+        return modeled.collectives_sweep(args, OPS)
     if any(d.endswith("64") for d in dtypes):
         jax.config.update("jax_enable_x64", True)
     ops = common.split_list(args.ops, OPS, "--op")

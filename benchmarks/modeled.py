@@ -75,13 +75,12 @@ def _sizes(text: str) -> list[int]:
     return common.size_sweep(common.parse_size(lo), common.parse_size(hi), 2.0)
 
 
-def collectives_sweep(args) -> Report:
+def collectives_sweep(args, all_ops) -> Report:
+    """`all_ops`: what --op all means (the caller's op list)."""
     em, reason = _emulator()
     if em is None:
         raise SystemExit(f"--model-only: {reason}")
-    from .collectives import OPS  # noqa: F401  (the op list)
-
-    ops = common.split_list(args.ops, OPS, "--op")
+    ops = common.split_list(args.ops, all_ops, "--op")
     npus_list = [int(v) for v in str(args.model_npus).split(",")]
     sizes = _sizes(args.model_sizes)
     spec = em.preset(args.spec)

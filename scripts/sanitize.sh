@@ -37,7 +37,10 @@ cmake --build "$build" > "$build.build.log" 2>&1 || { tail -50 "$build.build.log
 shadow="$build/pythonpath/stratacl_jax"
 rm -rf "$build/pythonpath"
 mkdir -p "$shadow"
-for f in stratacl_jax/*.py; do ln -s "$PWD/$f" "$shadow/"; done
+for f in $(cd stratacl_jax && find . -name '*.py' -not -path '*/__pycache__/*'); do  # subpackages too
+  mkdir -p "$shadow/$(dirname "$f")"
+  ln -s "$PWD/stratacl_jax/$f" "$shadow/$f"
+done
 cp "$build"/stratacl_jax/_core*.so "$shadow/"
 # The editable install's import hook resolves stratacl_jax to the source tree
 # whatever PYTHONPATH says; drop it so the shadow package is the one found.
@@ -73,6 +76,8 @@ rm -rf "$log_dir" "$log_dir.all" "$log_dir.project.txt"
 mkdir -p "$log_dir"
 export PYTHONPATH="$build/pythonpath${PYTHONPATH:+:$PYTHONPATH}"
 export STRATA_SANITIZER="$kind"
+# tests/test_cpp_plans.py builds and runs the C++ plan tests in this build, with its flags.
+export STRATA_CPP_BUILD_DIR="$build"
 if [ "$kind" = asan ]; then
   # Leaks: the runtime keeps process-lifetime singletons on purpose, and
   # Python/XLA leak at exit by design, so leak checking would only be noise.

@@ -22,8 +22,10 @@ import sys
 import threading
 from dataclasses import dataclass, fields, replace
 
-MODES = ("strata", "buffer_centric")
-PLANNERS = ("balanced", "naive")
+from . import _core
+
+MODES = tuple(_core.mode_codes())  # the extension's names, in code order
+PLANNERS = tuple(_core.planner_codes())
 LAX_COLLECTIVES = ("xla", "strata")
 # Beyond this a deadline is meaningless (and its microseconds overflow C++'s
 # clocks); a wait this long is a hang by any measure.

@@ -4,9 +4,11 @@ the twin's varying/invariant typing, CPU lowering, AD and batching rules), and
 issue the FFI custom call with the attributes the C++ runtime needs."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +20,9 @@ from jax.sharding import AxisType
 
 from . import _config
 from . import _core
-from . import _lax_routing
 from . import _multiprocess
+# The op modules (and moe.py) reach these as _ffi.*, beside the rest of the machinery.
+from ._group import GroupSpec, make_varying, varying_axes  # noqa: F401
 
 # Register every handler once, for the CPU platform (emulated NPUs are CPU devices).
 # The state type first: each target's instantiate stage gives every custom-call
@@ -35,10 +38,11 @@ jax.ffi.register_ffi_type("strata_site_instance", _core.site_instance_type(), pl
 for _name, _capsule in _core.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
-REDUCE_OPS = {"sum": 0, "max": 1, "min": 2, "prod": 3}
-NO_REDUCTION = 4
-_MODE_CODE = {"strata": 0, "buffer_centric": 1}
-_PLANNER_CODE = {"balanced": 0, "naive": 1}
+# The extension's code tables (xla_ffi/runtime), not copies of them.
+REDUCE_OPS = {k: v for k, v in _core.reduce_ops().items() if k != "none"}
+NO_REDUCTION = _core.reduce_ops()["none"]
+_MODE_CODE = _core.mode_codes()
+_PLANNER_CODE = _core.planner_codes()
 
 SUPPORTED_DTYPES = tuple(
     np.dtype(d)
@@ -125,25 +129,6 @@ def split_axes(opname: str, axes: tuple) -> tuple[tuple, tuple]:
     return tuple(a for a in axes if a not in vmapped), tuple(vmapped)
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupSpec:
-    """A collective's group as static (hashable) primitive parameters: the
-    axes it spans, their size, the other manual axes (which tell groups
-    apart) and the mesh's device count."""
-    axes: tuple
-    size: int
-    others: tuple
-    num_devices: int
-
-    def rank(self):
-        return lax.axis_index(self.axes)
-
-    def meta(self):
-        """(rank in group, group id) as the int32 operand the handler reads."""
-        group = lax.axis_index(self.others) if self.others else jnp.int32(0)
-        return jnp.stack([self.rank(), group]).astype(jnp.int32)
-
-
 class Group(GroupSpec):
     """The caller's group for a collective over `axes` of the current mesh;
     raises the op's error when there is none."""
@@ -179,20 +164,6 @@ def local_mesh_devices(mesh_size: int) -> int:
     if _multiprocess.process_count() <= 1:
         return mesh_size
     return min(mesh_size, jax.local_device_count())
-
-
-def varying_axes(x) -> frozenset:
-    aval = x if isinstance(x, jax.core.AbstractValue) else jax.typeof(x)
-    mat = getattr(aval, "mat", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
-
-
-def make_varying(x, axes: Sequence):
-    """Types x as varying over `axes` (as lax does before a collective)."""
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def vma_checked(x, axes) -> bool:
@@ -246,11 +217,56 @@ def timeout_ms(settings) -> np.int64:
     return np.int64(max(1, round(settings.timeout_s * 1000)))
 
 
-def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None):
+_own = threading.local()
+
+
+@contextlib.contextmanager
+def _lowering_own():
+    prev = getattr(_own, "lowering", False)
+    _own.lowering = True
+    try:
+        yield
+    finally:
+        _own.lowering = prev
+
+
+def lowering_own() -> bool:
+    """True while strata lowers one of its own primitives on this thread: the
+    lax collectives bound then (its cross-process steps use them on purpose)
+    stay lax's (_lax_routing reads this)."""
+    return getattr(_own, "lowering", False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """One of strata's ops, as its module defined it."""
+    primitive: Primitive
+    lower: Callable  # lower(*operands, **params): the lowering's body, for ops composed of others
+    api: Callable | None  # the public function (strata.all_gather, ...)
+
+
+# Strata's ops by primitive name. An op's rules reach another op (a transpose
+# its twin, a JVP a gather) through here instead of importing its module, as
+# lax's rules name their twins' primitives: the op modules import none of each
+# other. Every op module is imported with the package, before any rule runs.
+_REGISTRY: dict[str, Registered] = {}
+
+
+def registered(name: str) -> Registered:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise LookupError(f"no strata primitive {name!r} is registered; registered: {sorted(_REGISTRY)}") from None
+
+
+def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None, api=None):
     """A JAX primitive for one collective: abstract evaluation, a CPU lowering
     (`lower(*operands, **params)` traced into the FFI call), and the rules.
     Without `jvp` the op is linear (the JVP applies it to the tangent) and
-    `transpose(ct, *operands, **params)` is its transpose."""
+    `transpose(ct, *operands, **params)` is its transpose. Registered under
+    `name` with its public function `api` (see `registered`)."""
+    if name in _REGISTRY:
+        raise ValueError(f"strata primitive {name!r} is defined twice")
     p = Primitive(name)
     p.def_abstract_eval(abstract_eval)
     lowered = mlir.lower_fun(lower, multiple_results=False)
@@ -258,7 +274,7 @@ def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batc
     def rule(ctx, *args, **params):
         # The mesh's process layout and the op's source location, for ops
         # whose group crosses processes (_multiprocess.split) and site ids.
-        with _multiprocess.lowering(ctx), _lax_routing.suspended():
+        with _multiprocess.lowering(ctx), _lowering_own():
             return lowered(ctx, *args, **params)
 
     mlir.register_lowering(p, rule, platform="cpu")
@@ -270,8 +286,21 @@ def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batc
             ad.primitive_transposes[p] = transpose
     if batch is not None:
         batching.fancy_primitive_batchers[p] = batch
+    _REGISTRY[name] = Registered(p, lower, api)
     return p
 
 
 def move_batch_to_front(x, d):
     return x if d == 0 else jnp.moveaxis(x, d, 0)
+
+
+# ---------------------------------------------------------------------------
+# Rules several ops share
+
+
+def product_of_others(x, group):
+    """Π_{s≠r} x_s on rank r, exact (no division, so zeros are fine): the
+    tangent weight of a product (all_reduce's and reduce_scatter's JVPs)."""
+    everyone = registered("strata_all_gather").api(x, group.axes)
+    own = (jnp.arange(group.size) == group.rank()).reshape((-1,) + (1,) * x.ndim)
+    return jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)

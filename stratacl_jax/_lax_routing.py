@@ -25,7 +25,6 @@ what was routed (`lax_routed`) and what was left to XLA and why
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 
 import numpy as np
@@ -35,23 +34,17 @@ from jax._src.lax import parallel as P
 
 from . import _config
 from . import _ffi
+from .all_gather import all_gather_p
+from .all_reduce import bind as all_reduce_bind
+from .all_to_all import all_to_all_p
+from .broadcast import broadcast_p
+from .ppermute import ppermute_p
+from .ragged_all_to_all import ragged_p
+from .reduce_scatter import reduce_scatter_p
 
-_local = threading.local()
 _lock = threading.Lock()
 _routed: collections.Counter = collections.Counter()
 _left: collections.Counter = collections.Counter()
-
-
-@contextlib.contextmanager
-def suspended():
-    """No routing while strata lowers its own primitives (its cross-process
-    steps use lax's collectives on purpose)."""
-    prev = getattr(_local, "off", False)
-    _local.off = True
-    try:
-        yield
-    finally:
-        _local.off = prev
 
 
 def counters() -> dict:
@@ -134,8 +127,6 @@ def _reduce(op):
     def route(x, *, axes, axis_index_groups=None):
         from jax import lax
 
-        from .all_reduce import bind
-
         axes = _axes(axes)
         positional = tuple(a for a in axes if isinstance(a, int))
         if positional:
@@ -144,15 +135,13 @@ def _reduce(op):
             x = getattr(lax, _POSITIONAL[op])(x, tuple(a % x.ndim for a in positional))
             axes = tuple(a for a in axes if not isinstance(a, int))
         x = _ffi.make_varying(x, axes)
-        return bind(x, _group("strata.all_reduce", axes), op, _config.current())
+        return all_reduce_bind(x, _group("strata.all_reduce", axes), op, _config.current())
 
     return route
 
 
 def _all_gather(invariant):
     def route(x, *, all_gather_dimension, axis_name, axis_size, tiled, axis_index_groups=None):
-        from .all_gather import all_gather_p
-
         axes = _axes(axis_name)
         x = _ffi.make_varying(x, axes)
         return all_gather_p.bind(x, group=_group("strata.all_gather", axes), axis=all_gather_dimension,
@@ -162,8 +151,6 @@ def _all_gather(invariant):
 
 
 def _psum_scatter(x, *, axis_name, scatter_dimension, axis_index_groups, axis_size, tiled):
-    from .reduce_scatter import reduce_scatter_p
-
     axes = _axes(axis_name)
     x = _ffi.make_varying(x, axes)
     return reduce_scatter_p.bind(x, group=_group("strata.reduce_scatter", axes), dim=scatter_dimension % x.ndim,
@@ -171,8 +158,6 @@ def _psum_scatter(x, *, axis_name, scatter_dimension, axis_index_groups, axis_si
 
 
 def _all_to_all(x, *, split_axis, concat_axis, axis_name, axis_index_groups, tiled):
-    from .all_to_all import all_to_all_p
-
     # lax's primitive is always "tiled" (its wrapper adds and drops the axis).
     axes = _axes(axis_name)
     x = _ffi.make_varying(x, axes)
@@ -182,8 +167,6 @@ def _all_to_all(x, *, split_axis, concat_axis, axis_name, axis_index_groups, til
 
 
 def _ppermute(x, *, axis_name, perm):
-    from .ppermute import ppermute_p
-
     # lax numbers the ranks of an axis tuple in mesh order (its lowering sorts
     # each group's device ids); strata in the order given: give mesh order.
     axes = _mesh_order(_axes(axis_name))
@@ -194,8 +177,6 @@ def _ppermute(x, *, axis_name, perm):
 
 
 def _pbroadcast(x, *, axis_name, source):
-    from .broadcast import broadcast_p
-
     axes = _axes(axis_name)
     x = _ffi.make_varying(x, axes)
     return broadcast_p.bind(x, group=_group("strata.broadcast", axes), root=int(source),
@@ -203,8 +184,6 @@ def _pbroadcast(x, *, axis_name, source):
 
 
 def _ragged(operand, output, *vectors, axis_name, axis_index_groups=None):
-    from .ragged_all_to_all import ragged_p
-
     axes = _axes(axis_name)
     vectors = [v.astype(np.int32) if v.dtype != np.int32 else v for v in vectors]
     args = [_ffi.make_varying(v, axes) for v in (operand, output, *vectors)]
@@ -250,7 +229,7 @@ def _wrap(prim, route):
     original = prim.bind_with_trace
 
     def bind_with_trace(trace, args, avals, params, /):
-        if (getattr(_local, "off", False) or _config.current().lax_collectives != "strata"
+        if (_ffi.lowering_own() or _config.current().lax_collectives != "strata"
                 or not isinstance(trace, (pe.DynamicJaxprTrace, pe.JaxprTrace))):
             return original(trace, args, avals, params)
         with core.set_current_trace(trace):
@@ -327,4 +306,4 @@ def install() -> None:
         _wrap(prim, route)
 
 
-__all__ = ["install", "suspended", "counters", "reset", "config"]
+__all__ = ["install", "counters", "reset", "config"]

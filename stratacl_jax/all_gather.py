@@ -120,8 +120,7 @@ def _transpose(ct, x, *, group, axis, tiled, invariant, settings):
         size = x.aval.shape[axis] if tiled else 1
         mine = lax.dynamic_slice_in_dim(ct, group.rank() * size, size, axis=axis)
         return (mine if tiled else lax.squeeze(mine, (axis,)),)
-    from .reduce_scatter import reduce_scatter_p
-
+    reduce_scatter_p = _ffi.registered("strata_reduce_scatter").primitive
     return (reduce_scatter_p.bind(ct, group=group, dim=axis, tiled=tiled, op="sum", settings=settings),)
 
 
@@ -135,4 +134,5 @@ def _batch(axis_data, vals, dims, *, group, axis, tiled, invariant, settings):
                              settings=settings), 0
 
 
-all_gather_p = _ffi.primitive("strata_all_gather", _abstract_eval, _lower, transpose=_transpose, batch=_batch)
+all_gather_p = _ffi.primitive("strata_all_gather", _abstract_eval, _lower, transpose=_transpose, batch=_batch,
+                              api=all_gather)

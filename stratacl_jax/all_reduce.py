@@ -112,13 +112,12 @@ def _lower_across(x, group, op, settings, local, crossing):
     n_local = sub.size
     if (op in ("sum", "max", "min") and x.size % n_local == 0 and x.size >= n_local
             and x.size * x.dtype.itemsize >= HIERARCHICAL_MIN_BYTES):
-        from .all_gather import _lower as gather_lower
-        from .reduce_scatter import _lower as scatter_lower
-
         blocks = x.reshape(n_local, -1)
-        mine = scatter_lower(blocks, group=sub, dim=0, tiled=False, op=op, settings=settings)
+        mine = _ffi.registered("strata_reduce_scatter").lower(blocks, group=sub, dim=0, tiled=False, op=op,
+                                                             settings=settings)
         mine = _cross_reduce(mine, crossing, op, what)
-        full = gather_lower(mine, group=sub, axis=0, tiled=False, invariant=False, settings=settings)
+        full = _ffi.registered("strata_all_gather").lower(mine, group=sub, axis=0, tiled=False, invariant=False,
+                                                         settings=settings)
         return full.reshape(x.shape)
     y = _local(x, sub, op, settings)
     return _cross_reduce(y, crossing, op, what)
@@ -135,7 +134,7 @@ def _jvp(primals, tangents, *, group, op, invariant, settings):
         return y, total(t)
     if op in ("max", "min"):
         return y, total(t * extreme_weights(x, y, total))
-    return y, total(t * product_of_others(x, group))
+    return y, total(t * _ffi.product_of_others(x, group))
 
 
 def partial_sum(group, invariant, settings):
@@ -147,15 +146,6 @@ def extreme_weights(x, y_full, total):
     max/min is split evenly between the ranks that hold it (jnp.max's rule)."""
     hit = (x == _ffi.make_varying(y_full, _ffi.varying_axes(x))).astype(x.dtype)
     return hit / _ffi.make_varying(total(hit), _ffi.varying_axes(x))
-
-
-def product_of_others(x, group):
-    """Π_{s≠r} x_s on rank r, exact (no division, so zeros are fine)."""
-    from .all_gather import all_gather
-
-    everyone = all_gather(x, group.axes)
-    own = (jnp.arange(group.size) == group.rank()).reshape((-1,) + (1,) * x.ndim)
-    return jnp.prod(jnp.where(own, jnp.ones_like(everyone), everyone), axis=0)
 
 
 def _transpose(ct, x, *, group, op, invariant, settings):
@@ -177,4 +167,4 @@ def _batch(axis_data, vals, dims, *, group, op, invariant, settings):
 
 
 all_reduce_p = _ffi.primitive("strata_all_reduce", _abstract_eval, _lower, jvp=_jvp, transpose=_transpose,
-                              batch=_batch)
+                              batch=_batch, api=all_reduce)

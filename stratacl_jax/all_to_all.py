@@ -142,4 +142,5 @@ def _batch(axis_data, vals, dims, *, group, split, concat, tiled, settings):
                              settings=settings), 0
 
 
-all_to_all_p = _ffi.primitive("strata_all_to_all", _abstract_eval, _lower, transpose=_transpose, batch=_batch)
+all_to_all_p = _ffi.primitive("strata_all_to_all", _abstract_eval, _lower, transpose=_transpose, batch=_batch,
+                              api=all_to_all)

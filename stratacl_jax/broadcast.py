@@ -74,8 +74,7 @@ def _lower_across(x, group, root, settings, local, crossing):
 
 
 def _transpose(ct, x, *, group, root, settings):
-    from .all_reduce import all_reduce
-
+    all_reduce = _ffi.registered("strata_all_reduce").api
     total = _ffi.make_varying(all_reduce(ct, group.axes, op="sum"), group.axes)
     return (jnp.where(group.rank() == root, total, jnp.zeros_like(total)),)
 
@@ -85,4 +84,5 @@ def _batch(axis_data, vals, dims, *, group, root, settings):
     return broadcast_p.bind(x, group=group, root=root, settings=settings), d
 
 
-broadcast_p = _ffi.primitive("strata_broadcast", _abstract_eval, _lower, transpose=_transpose, batch=_batch)
+broadcast_p = _ffi.primitive("strata_broadcast", _abstract_eval, _lower, transpose=_transpose, batch=_batch,
+                             api=broadcast)

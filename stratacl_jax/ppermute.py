@@ -88,4 +88,5 @@ def _batch(axis_data, vals, dims, *, group, pairs, settings):
     return ppermute_p.bind(x, group=group, pairs=pairs, settings=settings), d
 
 
-ppermute_p = _ffi.primitive("strata_ppermute", _abstract_eval, _lower, transpose=_transpose, batch=_batch)
+ppermute_p = _ffi.primitive("strata_ppermute", _abstract_eval, _lower, transpose=_transpose, batch=_batch,
+                            api=ppermute)

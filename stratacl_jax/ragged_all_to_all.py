@@ -7,8 +7,9 @@ i // k (k = slices per peer = len(send_sizes) / group size); they land at rows
 receiver's buffer). Rows nobody writes keep `output`'s values. The sizes are
 runtime values: the C++ runtime reads every rank's vectors when the group meets,
 checks them (sizes agree with the receivers' recv_sizes, rows fit the buffers:
-an error naming the rank otherwise) and copies the rows straight between the
-ranks' buffers, in either strata.config mode (there is no staged variant).
+an error naming the rank otherwise) and runs the exchange as a plan like the
+collectives': in strata.config's mode (buffer_centric stages the rows through
+the comm buffers), on the NPUs' cores or DMA engines, counted in strata.stats().
 
 The primitive is linear in (operand, output) jointly; its transpose sends the
 cotangent's received rows back (a ragged_all_to_all with the roles swapped)
@@ -83,7 +84,11 @@ def _lower(operand, output, input_offsets, send_sizes, output_offsets, recv_size
               site_id=np.int64(_ffi.next_site_id("strata_ragged_all_to_all", group.axes, group.others, operand.shape,
                                                       operand.dtype, output.shape)), group_size=np.int32(group.size),
               num_devices=np.int32(group.num_devices),
-              timeout_ms=_ffi.timeout_ms(settings))
+              timeout_ms=_ffi.timeout_ms(settings),
+              # Order: RaggedParam in xla_ffi/bindings/ragged_handlers.cc.
+              params=np.asarray([_ffi._MODE_CODE[settings.mode], settings.cores_per_npu,
+                                 settings.sdma_engines_per_npu, _ffi._PLANNER_CODE[settings.planner],
+                                 settings.comm_buffer_bytes], dtype=np.int64))
 
 
 def _lower_across(operand, output, input_offsets, send_sizes, output_offsets, group, crossing):
@@ -141,8 +146,7 @@ def _transpose(ct, operand, output, input_offsets, send_sizes, output_offsets, r
     if type(ct) is ad.Zero:
         return [ad.Zero(operand.aval) if want_operand else None,
                 ad.Zero(output.aval) if want_output else None] + [None] * 4
-    from .all_to_all import all_to_all
-
+    all_to_all = _ffi.registered("strata_all_to_all").api
     # Where this rank received (the senders' output_offsets for it), and where
     # each sender took those rows from.
     received_at = all_to_all(output_offsets, group.axes, 0, 0, tiled=True)
@@ -186,4 +190,4 @@ def _batch(axis_data, vals, dims, *, group, settings):
 
 
 ragged_p = _ffi.primitive("strata_ragged_all_to_all", _abstract_eval, _lower, jvp=_jvp, transpose=_transpose,
-                          batch=_batch)
+                          batch=_batch, api=ragged_all_to_all)

@@ -133,15 +133,13 @@ def _jvp(primals, tangents, *, group, dim, tiled, op, settings):
     scatter = _sum_scatter(group, dim, tiled, settings)
     if op == "sum":
         return y, scatter(t)
-    from .all_gather import all_gather_p
-    from .all_reduce import product_of_others
-
+    all_gather_p = _ffi.registered("strata_all_gather").primitive
     if op in ("max", "min"):
         # The full reduction, as every rank would see it, from the pieces.
         y_full = all_gather_p.bind(y, group=group, axis=dim, tiled=tiled, invariant=False, settings=settings)
         hit = (x == y_full).astype(x.dtype)
         return y, scatter(t * hit) / scatter(hit)
-    return y, scatter(t * product_of_others(x, group))
+    return y, scatter(t * _ffi.product_of_others(x, group))
 
 
 def _transpose(ct, x, *, group, dim, tiled, op, settings):
@@ -149,8 +147,7 @@ def _transpose(ct, x, *, group, dim, tiled, op, settings):
         raise NotImplementedError(f"{OPNAME}: op={op!r} is not linear; its JVP is what transposes")
     if type(ct) is ad.Zero:
         return (ad.Zero(x.aval),)
-    from .all_gather import all_gather_p
-
+    all_gather_p = _ffi.registered("strata_all_gather").primitive
     return (all_gather_p.bind(ct, group=group, axis=dim, tiled=tiled, invariant=False, settings=settings),)
 
 
@@ -163,4 +160,4 @@ def _batch(axis_data, vals, dims, *, group, dim, tiled, op, settings):
 
 
 reduce_scatter_p = _ffi.primitive("strata_reduce_scatter", _abstract_eval, _lower, jvp=_jvp,
-                                  transpose=_transpose, batch=_batch)
+                                  transpose=_transpose, batch=_batch, api=reduce_scatter)

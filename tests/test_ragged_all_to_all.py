@@ -198,3 +198,57 @@ def test_disagreeing_sizes_are_a_clear_error(mesh8):
     # The runtime works on after a failed op.
     c = make_case(np.random.default_rng(16), 8)
     np.testing.assert_array_equal(run_per_rank(ragged("x"), mesh8, *args_of(c)), reference(c))
+
+
+@pytest.mark.parametrize("comm_buffer_bytes", [1 << 20, 30 * 64], ids=["fits", "rounds"])
+def test_buffer_centric_matches_strata_and_stages(mesh8, comm_buffer_bytes):
+    # Rows of 160 bytes: a 1920-byte buffer holds 64 columns of each of the
+    # 30 output rows, so the exchange runs in three rounds of columns.
+    c = make_case(np.random.default_rng(17), 8, row_shape=(40,), out_rows=30)
+    strata.reset_stats()
+    direct = run_per_rank(ragged("x"), mesh8, *args_of(c))
+    stats = strata.stats()
+    assert stats["bytes_staged"] == 0 and stats["bytes_direct"] > 0
+    strata.reset_stats()
+    with strata.config(mode="buffer_centric", comm_buffer_bytes=comm_buffer_bytes):
+        staged = run_per_rank(ragged("x"), mesh8, *args_of(c))
+    stats = strata.stats()
+    np.testing.assert_array_equal(staged, direct)
+    np.testing.assert_array_equal(staged, reference(c))
+    # Each rank stages in the rows it sends (once, however many slices read
+    # them) and stages out the rows it receives: rows nobody writes keep
+    # the output's values.
+    row_bytes = 40 * 4
+    read = np.zeros(c["operand"].shape[:2], bool)
+    for s in range(8):
+        for off, size in zip(c["input_offsets"][s], c["send_sizes"][s]):
+            read[s, off:off + size] = True
+    assert stats["bytes_staged"] == (read.sum() + written_rows(c).sum()) * row_bytes
+    assert stats["bytes_direct"] == 0
+    assert stats["bytes_exchanged"] == c["send_sizes"].sum() * row_bytes
+
+
+@pytest.mark.parametrize("engines", [16, 1])
+def test_lane_bytes_add_up_to_the_rows_moved(mesh8, engines):
+    # 2 KiB rows. The busiest rank's bytes read + written decide the lanes
+    # (MovesOnSdma): ~4 MB with 200-row slices stays on the 48 cores with 16
+    # engines (below 61 MB); ~20 MB with 1200-row slices goes to the one
+    # engine (past 3.8 MB).
+    rng = np.random.default_rng(18)
+    rows = 200 if engines == 16 else 1200
+    c = make_case(rng, 8, in_rows=rows, out_rows=8 * rows, row_shape=(512,), max_size=rows)
+    strata.reset_stats()
+    with strata.config(sdma_engines_per_npu=engines, cores_per_npu=48):
+        got = run_per_rank(ragged("x"), mesh8, *args_of(c))
+    stats = strata.stats()
+    np.testing.assert_array_equal(got, reference(c))
+    row_bytes = 512 * 4
+    received = c["recv_sizes"].sum(axis=1) * row_bytes
+    lanes = "sdma_bytes" if engines == 1 else "core_bytes"
+    other = "core_bytes" if engines == 1 else "sdma_bytes"
+    per_npu = np.array([sum(lane) for lane in stats[lanes]])
+    # Each receiver's lanes read and write the rows it receives.
+    np.testing.assert_array_equal(per_npu, 2 * received)
+    assert sum(map(sum, stats[other])) == 0
+    assert max(len(lane) for lane in stats[lanes]) == (1 if engines == 1 else 48)
+    assert stats["bytes_exchanged"] == stats["bytes_direct"] == received.sum()

@@ -96,3 +96,45 @@ def test_one_rank_computing_long_between_ops_is_waited_for(mesh8):
     got = np.asarray(smap(body, mesh8)(jax.device_put(x, NamedSharding(mesh8, P("x")))))
     total = x.reshape(8, 64).astype(np.float64).sum(0)
     np.testing.assert_allclose(got, np.tile(np.tile(total[:8], 8), 8), rtol=1e-5, atol=1e-4)
+
+
+def test_xla_collective_ordered_after_an_independent_strata_op(mesh8):
+    """The data-parallel step as users write it: strata averages the loss, XLA's
+    psum (here written out) reduces an independent gradient-sized matrix. When
+    XLA's buffer assignment gives the psum's output the strata op's operand
+    slot, XLA makes the psum wait for strata's op, and every rank but the last
+    one in reaches lax.psum on a resumer thread (issue 27)."""
+    rng = np.random.default_rng(7)
+    x = random_array(rng, (8 * 32, 64), np.float32)
+    w = random_array(rng, (64, 64), np.float32)
+
+    def step(x, w):
+        h = jnp.tanh(x @ w)
+        loss = strata.all_reduce(jnp.mean(h * h), "x", op="mean")
+        return loss, lax.psum(x.T @ h, "x")
+
+    f = smap(step, mesh8, in_specs=(P("x"), P()), out_specs=(P(), P()), check_vma=False)
+    xs = jax.device_put(x, NamedSharding(mesh8, P("x")))
+    before = strata.stats()["waits_handed_off"]
+    for _ in range(3):
+        loss, g = jax.block_until_ready(f(xs, w))
+    assert strata.stats()["waits_handed_off"] > before
+    hs = [np.tanh(x[32 * r:32 * (r + 1)].astype(np.float64) @ w) for r in range(8)]
+    np.testing.assert_allclose(float(loss), np.mean([np.mean(h * h) for h in hs]), rtol=1e-5)
+    want = sum(x[32 * r:32 * (r + 1)].astype(np.float64).T @ hs[r] for r in range(8))
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-4, atol=1e-4)
+
+
+def test_runtime_threads_are_named(mesh8):
+    """top, perf and profilers tell strata's threads from XLA's by name."""
+    import os
+    x = random_array(np.random.default_rng(8), (8 * 24,), np.float32)
+    jax.block_until_ready(smap(_mixed, mesh8)(jax.device_put(x, NamedSharding(mesh8, P("x")))))
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.add(f.read().strip())
+        except OSError:  # the thread exited meanwhile
+            pass
+    assert {"strata-resume", "strata-worker", "strata-monitor"} <= names, names

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "../model/trace_log.h"
+#include "../runtime/observer.h"
 #include "../runtime/reduce_isa.h"
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
@@ -633,8 +633,8 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
                       int32_t* dropped, MoeDone done) {
   Status st = CheckCall(kDispatchName, p, c);
   if (!st.ok) return done(st);
-  if (model::TraceEnabled())
-    done = model::TraceMoe(model::kMoeDispatch, p, c, pair_slot, p.tokens * p.topk, true, std::move(done));
+  if (OpObserver* observer = ActiveObserver())
+    done = observer->OnMoe(ObservedOp::kMoeDispatch, p, c, pair_slot, p.tokens * p.topk, true, std::move(done));
   const int32_t num_e = p.num_experts;
   const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
   const int64_t rb = p.row_bytes();
@@ -837,8 +837,8 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
                      const void* weights, const int32_t* pair_slot, void* y, MoeDone done) {
   Status st = CheckCall(kCombineName, p, c);
   if (!st.ok) return done(st);
-  if (model::TraceEnabled())
-    done = model::TraceMoe(model::kMoeCombine, p, c, pair_slot, p.tokens * p.topk, false, std::move(done));
+  if (OpObserver* observer = ActiveObserver())
+    done = observer->OnMoe(ObservedOp::kMoeCombine, p, c, pair_slot, p.tokens * p.topk, false, std::move(done));
   if (!MoeSupportsCombine(p.dtype))
     return done(Status::Error(std::string(kCombineName) + ": rows must be a float type, got " +
                               DTypeName(p.dtype)));
@@ -1045,8 +1045,8 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
                              MoeDone done) {
   Status st = CheckCall(kCombineBwdName, p, c);
   if (!st.ok) return done(st);
-  if (model::TraceEnabled())
-    done = model::TraceMoe(model::kMoeCombineBackward, p, c, pair_slot, p.tokens * p.topk, false, std::move(done));
+  if (OpObserver* observer = ActiveObserver())
+    done = observer->OnMoe(ObservedOp::kMoeCombineBackward, p, c, pair_slot, p.tokens * p.topk, false, std::move(done));
   if (!MoeSupportsCombine(p.dtype))
     return done(Status::Error(std::string(kCombineBwdName) + ": rows must be a float type, got " +
                               DTypeName(p.dtype)));

@@ -21,27 +21,15 @@
 
 #include "../runtime/collective.h"
 #include "../runtime/dtypes.h"
+#include "../runtime/observer.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/status.h"
 
 namespace strata {
 
 // What the op is; identical on every rank (checked when the group meets).
-struct MoeParams {
-  int32_t group_size = 1;
-  int32_t num_experts = 1;
-  int64_t capacity = 0;
-  int64_t tokens = 0, topk = 0, hidden = 0;  // per rank
-  DType dtype = DType::F32;                   // token / expert rows
-  int32_t cores = 1, engines = 1;
-  // kBufferCentric: the vendor-library baseline. Rows peers read are first
-  // copied into this rank's communication buffer, results are written to one
-  // and copied out (each at most comm_buffer_bytes).
-  Mode mode = Mode::kStrata;
-  int64_t comm_buffer_bytes = 200 << 20;
-
-  int64_t local_experts() const { return num_experts / group_size; }
-  int64_t row_bytes() const { return hidden * static_cast<int64_t>(DTypeSize(dtype)); }
+// The fields are the shape an observer records (runtime/observer.h).
+struct MoeParams : MoeOpShape {
   std::string Describe(const char* opname) const;
   Signature Sign(const char* opname) const;  // compared at rendezvous; Describe on mismatch
 };

@@ -5,7 +5,6 @@
 #include <string>
 #include <vector>
 
-#include "../runtime/copy.h"
 #include "../runtime/executor.h"
 #include "../runtime/stats.h"
 
@@ -18,7 +17,9 @@ std::string Describe(const RaggedParams& p) {
   std::ostringstream os;
   os << kName << " dtype=" << DTypeName(p.dtype) << " group_size=" << p.group_size
      << " operand_rows=" << p.operand_rows << " output_rows=" << p.output_rows
-     << " row_bytes=" << p.row_bytes << " slices_per_peer=" << p.slices_per_peer << " index_types=";
+     << " row_bytes=" << p.row_bytes << " slices_per_peer=" << p.slices_per_peer << " mode=" << ModeName(p.mode)
+     << " cores=" << p.cores << " engines=" << p.engines << " planner=" << PlannerName(p.planner)
+     << " comm_buffer_bytes=" << p.comm_buffer_bytes << " index_types=";
   for (IndexType t : p.index_types) os << static_cast<int>(t);
   return os.str();
 }
@@ -38,45 +39,72 @@ int64_t ReadIndex(const void* v, IndexType t, int i) {
   return 0;
 }
 
-struct Copy {
-  const char* src;
-  char* dst;
-  int64_t bytes;
-};
+// Names the op in the runtime's errors; its plans are built at the
+// rendezvous, not by a builder from OpParams.
+const PlanBuilder kRaggedBuilder{-1, kName, nullptr};
 
-// Every (sender, receiver) run of rows, after checking each against the
-// buffers and the receiver's recv_sizes; the first bad one is the error.
-Status PlanCopies(const RaggedParams& p, const Slot& s, std::vector<Copy>* copies) {
-  const int n = s.n, k = p.slices_per_peer;
-  // ptrs 2..5: input_offsets, send_sizes, output_offsets, recv_sizes.
-  auto at = [&](int r, int v, int i) { return ReadIndex(s.ptrs[r][v], p.index_types[v - 2], i); };
+OpParams RunParams(const RaggedParams& p) {
+  OpParams o;
+  o.builder = &kRaggedBuilder;
+  o.dtype = p.dtype;
+  o.group_size = p.group_size;
+  o.in_blocks = p.operand_rows;
+  o.out_blocks = p.output_rows;
+  o.block_bytes = p.row_bytes;
+  o.rows = 1;
+  o.mode = p.mode;
+  o.cores = p.cores;
+  o.engines = p.engines;
+  o.planner = p.planner;
+  o.comm_buffer_bytes = p.comm_buffer_bytes;
+  return o;
+}
+
+}  // namespace
+
+Status BuildRaggedPlan(const RaggedParams& p, const std::vector<RaggedVectors>& ranks, Plan* plan) {
+  const int n = static_cast<int>(ranks.size()), k = p.slices_per_peer;
+  // Plans name blocks (rows) by int32.
+  if (p.operand_rows > INT32_MAX || p.output_rows > INT32_MAX)
+    return Status::Error(std::string(kName) + ": more than " + std::to_string(INT32_MAX) +
+                         " rows per buffer is not supported");
+  plan->num_ranks = n;
+  plan->in_blocks = p.operand_rows;
+  plan->out_blocks = p.output_rows;
+  plan->block_bytes = p.row_bytes;
+  plan->dtype = p.dtype;
+  plan->op = ReduceOp::kNone;
+  auto at = [&](int r, int v, int i) { return ReadIndex(ranks[r][v], p.index_types[v], i); };
   for (int src = 0; src < n; ++src) {
     for (int i = 0; i < n * k; ++i) {
       const int dst = i / k;
-      const int64_t rows = at(src, 3, i), i0 = at(src, 2, i), o0 = at(src, 4, i);
-      const int64_t expected = at(dst, 5, src * k + i % k);
+      const int64_t rows = at(src, 1, i), i0 = at(src, 0, i), o0 = at(src, 2, i);
+      const int64_t expected = at(dst, 3, src * k + i % k);
+      const bool in_operand = rows == 0 || (i0 >= 0 && rows <= p.operand_rows && i0 <= p.operand_rows - rows);
+      const bool in_output = rows == 0 || (o0 >= 0 && rows <= p.output_rows && o0 <= p.output_rows - rows);
+      if (rows > 0 && rows == expected && in_operand && in_output) {
+        plan->Add({{src, static_cast<int32_t>(i0)}}, {{dst, static_cast<int32_t>(o0)}}, static_cast<uint32_t>(rows));
+        continue;
+      }
+      if (rows == 0 && expected == 0) continue;
+      // The first bad entry, named; only it pays for formatting a message.
       std::ostringstream os;
       if (rows < 0)
         os << "rank " << src << " sends a negative size send_sizes[" << i << "]=" << rows;
       else if (rows != expected)
         os << "rank " << src << " sends send_sizes[" << i << "]=" << rows << " rows to rank " << dst
            << ", whose recv_sizes[" << src * k + i % k << "] says " << expected;
-      else if (rows > 0 && (i0 < 0 || rows > p.operand_rows || i0 > p.operand_rows - rows))
+      else if (!in_operand)
         os << "rank " << src << ": input_offsets[" << i << "]=" << i0 << " + send_sizes[" << i << "]="
            << rows << " is outside its operand's " << p.operand_rows << " rows";
-      else if (rows > 0 && (o0 < 0 || rows > p.output_rows || o0 > p.output_rows - rows))
+      else
         os << "rank " << src << ": output_offsets[" << i << "]=" << o0 << " + send_sizes[" << i << "]="
            << rows << " is outside rank " << dst << "'s output of " << p.output_rows << " rows";
-      if (!os.str().empty()) return Status::Error(std::string(kName) + ": " + os.str());
-      if (rows == 0 || p.row_bytes == 0) continue;
-      copies->push_back({static_cast<const char*>(s.ptrs[src][0]) + i0 * p.row_bytes,
-                         static_cast<char*>(s.ptrs[dst][1]) + o0 * p.row_bytes, rows * p.row_bytes});
+      return Status::Error(std::string(kName) + ": " + os.str());
     }
   }
   return Status::Ok();
 }
-
-}  // namespace
 
 void RaggedAllToAllAsync(const RaggedParams& p, const CallSite& c, const RaggedBuffers& b,
                          std::function<void(const Status&)> done) {
@@ -89,25 +117,12 @@ void RaggedAllToAllAsync(const RaggedParams& p, const CallSite& c, const RaggedB
                   const_cast<void*>(b.output_offsets), const_cast<void*>(b.recv_sizes)};
   JoinAsync(c.As(kName, p.group_size), ptrs, Signature::Of(Describe(p)), std::move(done),
             [p](Slot& s, std::shared_ptr<Job>* job) -> Status {
-              auto copies = std::make_shared<std::vector<Copy>>();
-              Status st = PlanCopies(p, s, copies.get());
+              std::vector<RaggedVectors> ranks(s.n);
+              for (int r = 0; r < s.n; ++r) ranks[r] = {s.ptrs[r][2], s.ptrs[r][3], s.ptrs[r][4], s.ptrs[r][5]};
+              Plan plan;
+              Status st = BuildRaggedPlan(p, ranks, &plan);
               if (!st.ok) return st;
-              int64_t total = 0;
-              for (const Copy& k : *copies) total += k.bytes;
-              GlobalStats().AddExchanged(total, /*direct=*/true);
-              *job = std::make_shared<Job>();
-              if (total <= kRaggedInlineGroupBytes) {
-                for (const Copy& k : *copies) CopyBytes(k.dst, k.src, k.bytes, false);
-                return Status::Ok();
-              }
-              Phase phase;
-              phase.count = copies->size();
-              phase.run = [copies](uint64_t i) {
-                const Copy& k = (*copies)[i];
-                CopyBytes(k.dst, k.src, k.bytes, false);
-              };
-              (*job)->phases.push_back(std::move(phase));
-              return Status::Ok();
+              return PlanJob(s, std::move(plan), RunParams(p), job);
             });
 }
 

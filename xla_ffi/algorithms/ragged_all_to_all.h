@@ -3,14 +3,20 @@
 // receives them at rows [output_offsets_s[d], + send_sizes_s[d]) of its output
 // (offsets in the receiver's buffer, chosen by the sender); rows nobody writes
 // keep the output's values. With k slices per peer, entry i goes to rank
-// i / k, and the receiver's recv_sizes[s * k + j] is sender s's j-th. Sizes are runtime values: every rank publishes its
-// offset/size vectors and the last rank to arrive reads them all, checks them
-// and copies the rows straight between the ranks' buffers.
+// i / k, and the receiver's recv_sizes[s * k + j] is sender s's j-th. Sizes
+// are runtime values: every rank publishes its offset/size vectors and the
+// last rank to arrive reads them all, checks them and builds the exchange's
+// plan (BuildRaggedPlan), which the runtime runs like a collective's, in
+// either mode, on the NPUs' lanes (runtime/collective.h PlanJob).
 #pragma once
+#include <array>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
+#include "../runtime/collective.h"
 #include "../runtime/dtypes.h"
+#include "../runtime/plan.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/status.h"
 
@@ -27,11 +33,23 @@ struct RaggedParams {
   DType dtype = DType::F32;
   // input_offsets, send_sizes, output_offsets, recv_sizes
   IndexType index_types[4] = {IndexType::S32, IndexType::S32, IndexType::S32, IndexType::S32};
+  // How it runs, as a collective's OpParams (strata.config).
+  Mode mode = Mode::kStrata;
+  int32_t cores = 1, engines = 1;
+  Planner planner = Planner::kBalanced;
+  int64_t comm_buffer_bytes = 200 << 20;
 };
 
-// Below this many bytes copied for the whole group, the last rank in copies on
-// the spot: handing the work to the host workers would cost more.
-constexpr int64_t kRaggedInlineGroupBytes = 256 << 10;
+// One rank's offset/size vectors as it published them: input_offsets,
+// send_sizes, output_offsets, recv_sizes, of RaggedParams::index_types.
+using RaggedVectors = std::array<const void*, 4>;
+
+// The exchange as a plan over blocks of one row (in_blocks = operand_rows,
+// out_blocks = output_rows, block_bytes = row_bytes, rows = 1): each run of
+// rows from a sender to a receiver is one transfer spanning its rows. The
+// vectors are checked first (sizes agree with the receivers' recv_sizes,
+// rows fit the buffers); the first bad entry is the error, naming the rank.
+Status BuildRaggedPlan(const RaggedParams& p, const std::vector<RaggedVectors>& ranks, Plan* plan);
 
 // One rank's buffers. `out` already holds the output operand's values.
 struct RaggedBuffers {

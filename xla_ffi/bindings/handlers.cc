@@ -1,14 +1,16 @@
 // Thin FFI handlers: decode the call, validate it, hand it to the runtime.
-// Every collective shares one binding; the template argument picks the op.
+// Every collective shares one binding; the template argument picks the op's
+// registry entry (algorithms/op_registry.h), and one handler exists per entry.
 #include "handlers.h"
 
-#include <algorithm>
+#include <array>
 #include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 
-#include "../algorithms/algorithms.h"
+#include "../algorithms/op_registry.h"
 #include "../runtime/collective.h"
 #include "ffi_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,7 +25,7 @@ using ffi_common::Failed;
 using ffi_common::ToDType;
 
 ffi::Future Invalid(OpKind kind, const std::string& why) {
-  return Failed(ffi_common::Invalid(OpName(kind), why));
+  return Failed(ffi_common::Invalid(Collective(kind).builder.name, why));
 }
 
 // The static attributes, packed into one "params" array in this order by
@@ -50,7 +52,8 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   const int32_t num_devices = static_cast<int32_t>(params[kNumDevices]);
   const int64_t block_bytes = params[kBlockBytes];
   const int64_t timeout_ms = params[kTimeoutMs];
-  if (auto err = CheckPool(OpName(kKind), pool, num_devices)) return Failed(std::move(*err));
+  const CollectiveDef& def = Collective(kKind);
+  if (auto err = CheckPool(def.builder.name, pool, num_devices)) return Failed(std::move(*err));
   std::optional<DType> dtype = ToDType(x.element_type());
   if (!dtype) return Invalid(kKind, "unsupported element type");
   if (x.element_type() != out->element_type()) return Invalid(kKind, "input and output dtypes differ");
@@ -61,13 +64,14 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
     return Invalid(kKind, "complex numbers have no max or min");
 
   OpParams p;
-  p.kind = kKind;
+  p.builder = &def.builder;
   p.dtype = *dtype;
   p.op = static_cast<ReduceOp>(reduce_op);
   p.root = root;
   p.perm.assign(perm.begin(), perm.end());
   p.group_size = group_size;
-  BlockCounts(kKind, group_size, &p.in_blocks, &p.out_blocks);
+  p.in_blocks = def.InBlocks(group_size);
+  p.out_blocks = def.OutBlocks(group_size);
   p.block_bytes = block_bytes;
   p.mode = static_cast<Mode>(params[kMode]);
   p.cores = static_cast<int32_t>(params[kCores]);
@@ -116,23 +120,38 @@ const XLA_FFI_TypeInfo* SiteInstanceTypeInfo() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataSiteInstantiate, strata::ffi_common::NewSiteInstance,
                               ffi::Ffi::BindInstantiate());
 
-#define STRATA_DEFINE_COLLECTIVE(symbol, kind)                       \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, strata::CollectiveImpl<kind>, \
-                                ffi::Ffi::Bind()                      \
-                                    .Ctx<ffi::DeviceOrdinal>()        \
-                                    .Ctx<ffi::RunId>()                \
-                                    .Ctx<ffi::ThreadPool>()           \
-                                    .Ctx<ffi::State<strata::ffi_common::SiteInstance>>() \
-                                    .Arg<ffi::AnyBuffer>()            \
-                                    .Arg<ffi::Buffer<ffi::S32>>()     \
-                                    .Ret<ffi::AnyBuffer>()            \
-                                    .Attr<int64_t>("site_id")         \
-                                    .Attr<ffi::Span<const int32_t>>("perm") \
-                                    .Attr<ffi::Span<const int64_t>>("params"))
+namespace strata {
+namespace {
 
-STRATA_DEFINE_COLLECTIVE(StrataAllReduce, strata::OpKind::kAllReduce);
-STRATA_DEFINE_COLLECTIVE(StrataAllGather, strata::OpKind::kAllGather);
-STRATA_DEFINE_COLLECTIVE(StrataReduceScatter, strata::OpKind::kReduceScatter);
-STRATA_DEFINE_COLLECTIVE(StrataAllToAll, strata::OpKind::kAllToAll);
-STRATA_DEFINE_COLLECTIVE(StrataBroadcast, strata::OpKind::kBroadcast);
-STRATA_DEFINE_COLLECTIVE(StrataPermute, strata::OpKind::kPermute);
+// One handler per op: XLA binds each once, on its first call.
+template <OpKind kKind>
+XLA_FFI_Error* CollectiveHandlerOf(XLA_FFI_CallFrame* call_frame) {
+  static auto* handler = ffi::Ffi::Bind()
+                             .Ctx<ffi::DeviceOrdinal>()
+                             .Ctx<ffi::RunId>()
+                             .Ctx<ffi::ThreadPool>()
+                             .Ctx<ffi::State<ffi_common::SiteInstance>>()
+                             .Arg<ffi::AnyBuffer>()
+                             .Arg<ffi::Buffer<ffi::S32>>()
+                             .Ret<ffi::AnyBuffer>()
+                             .Attr<int64_t>("site_id")
+                             .Attr<ffi::Span<const int32_t>>("perm")
+                             .Attr<ffi::Span<const int64_t>>("params")
+                             .To(CollectiveImpl<kKind>)
+                             .release();
+  return handler->Call(call_frame);
+}
+
+template <size_t... kKinds>
+constexpr std::array<XLA_FFI_Handler*, sizeof...(kKinds)> HandlerTable(std::index_sequence<kKinds...>) {
+  return {&CollectiveHandlerOf<static_cast<OpKind>(kKinds)>...};
+}
+
+}  // namespace
+
+XLA_FFI_Handler* CollectiveHandler(OpKind kind) {
+  static constexpr auto handlers = HandlerTable(std::make_index_sequence<kOpKindCount>());
+  return handlers[static_cast<size_t>(kind)];
+}
+
+}  // namespace strata

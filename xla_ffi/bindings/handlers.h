@@ -1,14 +1,14 @@
 #pragma once
+#include "../algorithms/op_registry.h"
 #include "xla/ffi/api/c_api.h"
 
-// XLA FFI handler symbols, one per collective, registered for platform "cpu".
+namespace strata {
+// The XLA FFI handler of a collective, one per registry entry (registered for
+// platform "cpu" as "strata_<name>").
+XLA_FFI_Handler* CollectiveHandler(OpKind kind);
+}  // namespace strata
+
 extern "C" {
-XLA_FFI_Error* StrataAllReduce(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* StrataAllGather(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* StrataReduceScatter(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* StrataAllToAll(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* StrataBroadcast(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* StrataPermute(XLA_FFI_CallFrame* call_frame);
 // The "instantiate" stage every strata target shares (a SiteInstance per
 // custom-call instruction).
 XLA_FFI_Error* StrataSiteInstantiate(XLA_FFI_CallFrame* call_frame);

@@ -6,11 +6,14 @@
 #include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <string>
 #include <vector>
 
-#include "../algorithms/algorithms.h"
+#include "../algorithms/moe.h"
+#include "../algorithms/op_registry.h"
 #include "../model/model.h"
 #include "../model/trace_log.h"
+#include "../runtime/observer.h"
 
 namespace nb = nanobind;
 using namespace strata;
@@ -103,7 +106,9 @@ nb::dict ModelCollective(int kind, int dtype, int reduce_op, int root, std::vect
                          std::vector<int32_t> rank_npu, bool keep_slices) {
   if (group_size < 1 || cores < 1 || engines < 1 || rows < 1 || block_bytes < 0)
     throw std::invalid_argument("group_size, cores, engines and rows must be positive");
-  OpParams p = MakeOpParams(kind, dtype, reduce_op, root, std::move(perm), group_size, block_bytes,
+  const CollectiveDef* def = FindCollective(kind);
+  if (!def) throw std::invalid_argument("model_collective: no collective has code " + std::to_string(kind));
+  OpParams p = MakeOpParams(*def, dtype, reduce_op, root, std::move(perm), group_size, block_bytes,
                             rows, mode, cores, engines, planner, comm_buffer_bytes);
   const Machine m = ToMachine(machine);
   CheckPlacement(rank_npu, group_size);
@@ -239,9 +244,9 @@ nb::list TakeRecords() {
     d["arrive_us"] = r.arrive_us;
     d["end_us"] = r.end_us;
     d["ok"] = r.ok;
-    if (r.kind == kCollective) {
+    if (r.kind == ObservedOp::kCollective) {
       const OpParams& p = r.op;
-      d["op_kind"] = static_cast<int>(p.kind);
+      d["op_kind"] = p.builder->code;
       d["dtype"] = static_cast<int>(p.dtype);
       d["reduce_op"] = static_cast<int>(p.op);
       d["root"] = p.root;
@@ -257,7 +262,7 @@ nb::list TakeRecords() {
       d["planner"] = static_cast<int>(p.planner);
       d["comm_buffer_bytes"] = p.comm_buffer_bytes;
     } else {
-      const MoeParams& p = r.moe;
+      const MoeOpShape& p = r.moe;
       d["group_size"] = p.group_size;
       d["num_experts"] = p.num_experts;
       d["capacity"] = p.capacity;
@@ -285,7 +290,7 @@ void BindModel(nb::module_& m) {
   m.def("model_moe", &ModelMoe);
   m.def("model_pieces", &ModelPieces);
   m.def("moe_pair_slots", &PairSlots);
-  m.def("trace_enable", [](bool on) { SetTraceEnabled(on); });
+  m.def("trace_enable", [](bool on) { SetObserver(on ? TraceLog() : nullptr); });
   m.def("trace_now_us", &TraceNowUs);
   m.def("trace_take", &TakeRecords);
 }

@@ -4,6 +4,7 @@
 // of mismatches and timeouts that a single SPMD program cannot produce).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -12,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "../algorithms/algorithms.h"
+#include "../algorithms/op_registry.h"
 #include "../runtime/collective.h"
 #include "../runtime/copy.h"
 #include "../runtime/reduce_isa.h"
@@ -46,12 +47,8 @@ nb::dict Registrations() {
     return stages;
   };
   nb::dict d;
-  d["strata_all_reduce"] = target(StrataAllReduce);
-  d["strata_all_gather"] = target(StrataAllGather);
-  d["strata_reduce_scatter"] = target(StrataReduceScatter);
-  d["strata_all_to_all"] = target(StrataAllToAll);
-  d["strata_broadcast"] = target(StrataBroadcast);
-  d["strata_ppermute"] = target(StrataPermute);
+  for (const CollectiveDef& def : Collectives())
+    d[("strata_" + std::string(def.name)).c_str()] = target(CollectiveHandler(def.kind));
   d["strata_ragged_all_to_all"] = target(StrataRaggedAllToAll);
   d["strata_moe_dispatch"] = target(StrataMoeDispatch);
   d["strata_moe_combine"] = target(StrataMoeCombine);
@@ -101,6 +98,58 @@ nb::dict GetStats() {
 
 using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
+// The registry entry of an op code from Python, or a ValueError naming it.
+const CollectiveDef& CollectiveOf(int code, const char* caller) {
+  const CollectiveDef* def = FindCollective(code);
+  if (!def) throw nb::value_error((std::string(caller) + ": no collective has code " + std::to_string(code)).c_str());
+  return *def;
+}
+
+const CollectiveDef& CollectiveNamed(const std::string& name, const char* caller) {
+  const CollectiveDef* def = FindCollective(name.c_str());
+  if (!def) throw nb::value_error((std::string(caller) + ": no collective is named " + name).c_str());
+  return *def;
+}
+
+// The codes Python passes, from the C++ tables they index: name -> code.
+nb::dict DTypeCodes() {
+  nb::dict d;
+  for (int32_t t = 0; t < kDTypeCount; ++t) d[DTypeName(static_cast<DType>(t))] = t;
+  return d;
+}
+
+nb::dict DTypeSizes() {
+  nb::dict d;
+  for (int32_t t = 0; t < kDTypeCount; ++t)
+    d[DTypeName(static_cast<DType>(t))] = DTypeSize(static_cast<DType>(t));
+  return d;
+}
+
+nb::dict ReduceOpCodes() {  // "none" (kNone) marks pure data movement
+  nb::dict d;
+  for (int32_t o = 0; o < kReduceOpCount; ++o) d[ReduceOpName(static_cast<ReduceOp>(o))] = o;
+  return d;
+}
+
+nb::dict ModeCodes() {
+  nb::dict d;
+  for (int32_t m = 0; m < kModeCount; ++m) d[ModeName(static_cast<Mode>(m))] = m;
+  return d;
+}
+
+nb::dict PlannerCodes() {
+  nb::dict d;
+  for (int32_t p = 0; p < kPlannerCount; ++p) d[PlannerName(static_cast<Planner>(p))] = p;
+  return d;
+}
+
+// The collectives' names in code order (an op's code is its index).
+nb::tuple OpNames() {
+  nb::list names;
+  for (const CollectiveDef& def : Collectives()) names.append(def.name);
+  return nb::tuple(names);
+}
+
 // Runs one op with every rank a thread (gloo-style). `block_bytes_per_rank`
 // lets a test make ranks disagree; ranks in `absent` never call. Returns one
 // error string per rank ("" for success).
@@ -110,6 +159,7 @@ std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
                                   int64_t comm_buffer_bytes, double timeout_s, int64_t site_id,
                                   int64_t run_id, std::vector<Bytes> inputs, std::vector<Bytes> outputs,
                                   std::vector<int> absent) {
+  const CollectiveDef& def = CollectiveOf(kind, "run_ranks");
   const int n = static_cast<int>(inputs.size());
   std::vector<std::string> errors(n);
   std::vector<std::thread> threads;
@@ -118,8 +168,8 @@ std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
     for (int r = 0; r < n; ++r) {
       if (std::find(absent.begin(), absent.end(), r) != absent.end()) continue;
       threads.emplace_back([&, r] {
-        OpParams p = MakeOpParams(kind, dtype, reduce_op, root, perm, n, block_bytes_per_rank[r], rows,
-                                mode, cores, engines, planner, comm_buffer_bytes);
+        OpParams p = MakeOpParams(def, dtype, reduce_op, root, perm, n, block_bytes_per_rank[r], rows,
+                                  mode, cores, engines, planner, comm_buffer_bytes);
         RankCall c;
         c.run_id = run_id;
         c.site_id = site_id;
@@ -139,8 +189,8 @@ std::vector<std::string> RunRanks(int kind, int dtype, int reduce_op, int root,
 
 nb::dict PlanInfo(int kind, int dtype, int reduce_op, int group_size, int64_t block_bytes,
                   int lanes, int planner) {
-  OpParams p = MakeOpParams(kind, dtype, reduce_op, 0, {}, group_size, block_bytes, 1, 0, lanes,
-                          lanes, planner, 0);
+  OpParams p = MakeOpParams(CollectiveOf(kind, "plan_info"), dtype, reduce_op, 0, {}, group_size,
+                            block_bytes, 1, 0, lanes, lanes, planner, 0);
   Plan plan = BuildPartitionedPlan(p);
   std::vector<std::vector<int64_t>> lane_bytes(group_size, std::vector<int64_t>(lanes, 0));
   for (const LaneTask& t : plan.tasks) lane_bytes[t.npu][t.lane] += t.bytes;
@@ -169,7 +219,7 @@ void ReduceWith(const std::string& isa, const std::string& dtype_name, const std
     throw nb::value_error(("reduce_with: " + (why.empty() ? "unusable ISA " + isa : why)).c_str());
   }
   int dtype = -1, op = -1;
-  for (int t = 0; t <= static_cast<int>(DType::C128); ++t)
+  for (int t = 0; t < kDTypeCount; ++t)
     if (dtype_name == DTypeName(static_cast<DType>(t))) dtype = t;
   for (int o = 0; o < static_cast<int>(ReduceOp::kNone); ++o)
     if (op_name == ReduceOpName(static_cast<ReduceOp>(o))) op = o;
@@ -234,6 +284,22 @@ NB_MODULE(_core, m) {
   });
   m.def("reduce_with", &ReduceWith, nb::arg("isa"), nb::arg("dtype"), nb::arg("op"), nb::arg("srcs"),
         nb::arg("outs"), nb::arg("streaming") = false);
+  // The op registry and code tables (algorithms/op_registry.h, runtime/dtypes.h):
+  // Python reads names and codes from here rather than keeping copies.
+  m.def("op_names", &OpNames);
+  m.def("op_block_counts", [](const std::string& name, int group_size) {
+    const CollectiveDef& def = CollectiveNamed(name, "op_block_counts");
+    return std::make_pair(def.InBlocks(group_size), def.OutBlocks(group_size));
+  });
+  m.def("bus_factor", [](const std::string& name, int group_size) {
+    if (group_size < 1) throw nb::value_error("bus_factor: group_size must be positive");
+    return CollectiveNamed(name, "bus_factor").bus_factor(group_size);
+  });
+  m.def("dtype_codes", &DTypeCodes);
+  m.def("dtype_sizes", &DTypeSizes);
+  m.def("reduce_ops", &ReduceOpCodes);
+  m.def("mode_codes", &ModeCodes);
+  m.def("planner_codes", &PlannerCodes);
   m.def("run_ranks", &RunRanks);
   m.def("plan_info", &PlanInfo);
 }

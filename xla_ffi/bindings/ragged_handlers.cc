@@ -18,6 +18,10 @@ namespace {
 
 constexpr const char* kOp = "strata.ragged_all_to_all";
 
+// How the exchange runs (strata.config), packed into one "params" array in
+// this order by stratacl_jax/ragged_all_to_all.py.
+enum RaggedParam : size_t { kMode, kCores, kEngines, kPlanner, kCommBufferBytes, kParamCount };
+
 int64_t RowElems(ffi::AnyBuffer::Dimensions d) {
   int64_t e = 1;
   for (size_t i = 1; i < d.size(); ++i) e *= d[i];
@@ -30,9 +34,12 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
                        ffi::AnyBuffer send_sizes, ffi::AnyBuffer output_offsets,
                        ffi::AnyBuffer recv_sizes, ffi::Buffer<ffi::S32> meta,
                        ffi::Result<ffi::AnyBuffer> out, int64_t site_id, int32_t group_size,
-                       int32_t num_devices, int64_t timeout_ms) {
+                       int32_t num_devices, int64_t timeout_ms, ffi::Span<const int64_t> params) {
   using ffi_common::Failed;
   using ffi_common::Invalid;
+  if (params.size() != kParamCount)
+    return Failed(Invalid(kOp, "params holds " + std::to_string(params.size()) + " values, not " +
+                                   std::to_string(kParamCount) + " (a program lowered by another version?)"));
   if (auto err = ffi_common::CheckPool(kOp, pool, num_devices)) return Failed(std::move(*err));
   std::optional<DType> dtype = ffi_common::ToDType(operand.element_type());
   if (!dtype) return Failed(Invalid(kOp, "unsupported element type"));
@@ -72,6 +79,11 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   p.row_bytes = RowElems(od) * static_cast<int64_t>(DTypeSize(*dtype));
   p.dtype = *dtype;
   for (int v = 0; v < 4; ++v) p.index_types[v] = index_types[v];
+  p.mode = static_cast<Mode>(params[kMode]);
+  p.cores = static_cast<int32_t>(params[kCores]);
+  p.engines = static_cast<int32_t>(params[kEngines]);
+  p.planner = static_cast<Planner>(params[kPlanner]);
+  p.comm_buffer_bytes = params[kCommBufferBytes];
   RaggedBuffers b;
   b.operand = operand.untyped_data();
   b.out = out->untyped_data();
@@ -105,4 +117,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataRaggedAllToAll, strata::RaggedImpl,
                                   .Attr<int64_t>("site_id")
                                   .Attr<int32_t>("group_size")
                                   .Attr<int32_t>("num_devices")
-                                  .Attr<int64_t>("timeout_ms"));
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<ffi::Span<const int64_t>>("params"));

@@ -8,7 +8,7 @@
 // the step by data flow. A monitor thread in Python reads the table and, when
 // a step has waited past the op's timeout or a peer process stopped its
 // heartbeat, reports that op and those ranks and ends the process instead of
-// hanging (stratacl_jax/_multiprocess.py).
+// hanging (stratacl_jax/_multiprocess/).
 #include "xproc_handlers.h"
 
 #include <nanobind/stl/string.h>

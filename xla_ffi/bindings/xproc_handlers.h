@@ -14,6 +14,6 @@ XLA_FFI_Error* StrataXprocHash(XLA_FFI_CallFrame* call_frame);
 }
 
 namespace strata {
-// xproc_inflight(): what the monitor (stratacl_jax/_multiprocess.py) reads.
+// xproc_inflight(): what the monitor (stratacl_jax/_multiprocess/) reads.
 void BindXproc(nanobind::module_& m);
 }  // namespace strata

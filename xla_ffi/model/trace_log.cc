@@ -1,6 +1,5 @@
 #include "trace_log.h"
 
-#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -11,14 +10,13 @@ namespace {
 
 constexpr size_t kMaxRecords = 1 << 20;
 
-std::atomic<bool> g_enabled{false};
 // Never destroyed: completions may run on detached threads at exit.
 std::mutex& g_mu = *new std::mutex;
 std::vector<TraceRecord>& g_records = *new std::vector<TraceRecord>;
 int64_t g_dropped = 0;
 
-Done Wrap(std::shared_ptr<TraceRecord> rec, Done done, const int32_t* read_at_end = nullptr,
-          int64_t count = 0) {
+OpDone Wrap(std::shared_ptr<TraceRecord> rec, OpDone done, const int32_t* read_at_end = nullptr,
+            int64_t count = 0) {
   return [rec = std::move(rec), done = std::move(done), read_at_end, count](const Status& st) {
     rec->end_us = TraceNowUs();
     rec->ok = st.ok;
@@ -33,7 +31,7 @@ Done Wrap(std::shared_ptr<TraceRecord> rec, Done done, const int32_t* read_at_en
   };
 }
 
-std::shared_ptr<TraceRecord> Begin(RecordKind kind, const CallSite& c) {
+std::shared_ptr<TraceRecord> Begin(ObservedOp kind, const CallSite& c) {
   auto rec = std::make_shared<TraceRecord>();
   rec->kind = kind;
   rec->run_id = c.run_id;
@@ -45,29 +43,34 @@ std::shared_ptr<TraceRecord> Begin(RecordKind kind, const CallSite& c) {
   return rec;
 }
 
+class Log final : public OpObserver {
+ public:
+  OpDone OnCollective(const OpParams& p, const CallSite& c, OpDone done) override {
+    auto rec = Begin(ObservedOp::kCollective, c);
+    rec->op = p;
+    return Wrap(std::move(rec), std::move(done));
+  }
+
+  OpDone OnMoe(ObservedOp kind, const MoeOpShape& p, const CallSite& c, const int32_t* routing,
+               int64_t routing_count, bool read_at_end, OpDone done) override {
+    auto rec = Begin(kind, c);
+    rec->moe = p;
+    if (read_at_end) return Wrap(std::move(rec), std::move(done), routing, routing_count);
+    if (routing && routing_count > 0) rec->routing.assign(routing, routing + routing_count);
+    return Wrap(std::move(rec), std::move(done));
+  }
+};
+
 }  // namespace
 
-bool TraceEnabled() { return g_enabled.load(std::memory_order_relaxed); }
-void SetTraceEnabled(bool on) { g_enabled.store(on); }
+OpObserver* TraceLog() {
+  static Log* log = new Log;
+  return log;
+}
 
 double TraceNowUs() {
   using namespace std::chrono;
   return duration<double, std::micro>(steady_clock::now().time_since_epoch()).count();
-}
-
-Done TraceCollective(const OpParams& p, const CallSite& c, Done done) {
-  auto rec = Begin(kCollective, c);
-  rec->op = p;
-  return Wrap(std::move(rec), std::move(done));
-}
-
-Done TraceMoe(RecordKind kind, const MoeParams& p, const CallSite& c, const int32_t* routing,
-              int64_t routing_count, bool read_at_end, Done done) {
-  auto rec = Begin(kind, c);
-  rec->moe = p;
-  if (read_at_end) return Wrap(std::move(rec), std::move(done), routing, routing_count);
-  if (routing && routing_count > 0) rec->routing.assign(routing, routing + routing_count);
-  return Wrap(std::move(rec), std::move(done));
 }
 
 std::vector<TraceRecord> TakeTraceRecords(int64_t* dropped) {

@@ -15,28 +15,25 @@
 #include <thread>
 #include <tuple>
 
-#include "../algorithms/algorithms.h"
-#include "../model/trace_log.h"
 #include "copy.h"
+#include "observer.h"
 #include "registry.h"
 #include "rendezvous.h"
 #include "stats.h"
 
 namespace strata {
 
-const char* OpName(OpKind kind) {
-  static const char* names[] = {"strata.all_reduce", "strata.all_gather", "strata.reduce_scatter",
-                                "strata.all_to_all", "strata.broadcast", "strata.ppermute"};
-  return names[static_cast<int>(kind)];
+const char* ModeName(Mode mode) {
+  return mode == Mode::kBufferCentric ? "buffer_centric" : "strata";
 }
 
 std::string OpParams::Describe() const {
   std::ostringstream os;
-  os << OpName(kind) << " dtype=" << DTypeName(dtype) << " op=" << ReduceOpName(op) << " root=" << root
+  os << name() << " dtype=" << DTypeName(dtype) << " op=" << ReduceOpName(op) << " root=" << root
      << " group_size=" << group_size << " rows=" << rows << " in_blocks=" << in_blocks
      << " out_blocks=" << out_blocks << " block_bytes=" << block_bytes
-     << " mode=" << (mode == Mode::kStrata ? "strata" : "buffer_centric") << " cores=" << cores
-     << " engines=" << engines << " planner=" << static_cast<int>(planner)
+     << " mode=" << ModeName(mode) << " cores=" << cores
+     << " engines=" << engines << " planner=" << PlannerName(planner)
      << " comm_buffer_bytes=" << comm_buffer_bytes << " perm=[";
   for (int32_t v : perm) os << v << ',';
   os << ']';
@@ -45,7 +42,7 @@ std::string OpParams::Describe() const {
 
 Signature OpParams::Sign() const {
   SignatureHasher h;
-  h.Add(kind).Add(dtype).Add(op).Add(root).Add(group_size).Add(in_blocks).Add(out_blocks);
+  h.Add(builder->code).Add(dtype).Add(op).Add(root).Add(group_size).Add(in_blocks).Add(out_blocks);
   h.Add(block_bytes).Add(rows).Add(mode).Add(cores).Add(engines).Add(planner).Add(comm_buffer_bytes);
   h.Add(perm.size());
   if (!perm.empty()) h.Add(perm.data(), perm.size() * sizeof(int32_t));
@@ -62,35 +59,9 @@ void OpParams::PlanKey(std::string* out) const {
   std::string& key = *out;
   key.clear();
   auto put = [&key](const auto& v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
-  put(kind), put(dtype), put(op), put(root), put(group_size), put(in_blocks), put(out_blocks);
+  put(builder->code), put(dtype), put(op), put(root), put(group_size), put(in_blocks), put(out_blocks);
   put(block_bytes), put(cores), put(engines), put(planner), put(movement_lanes);
   key.append(reinterpret_cast<const char*>(perm.data()), perm.size() * sizeof(int32_t));
-}
-
-void BlockCounts(OpKind kind, int n, int64_t* in_blocks, int64_t* out_blocks) {
-  *in_blocks = (kind == OpKind::kReduceScatter || kind == OpKind::kAllToAll) ? n : 1;
-  *out_blocks = (kind == OpKind::kAllGather || kind == OpKind::kAllToAll) ? n : 1;
-}
-
-OpParams MakeOpParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,
-                      int group_size, int64_t block_bytes, int64_t rows, int mode, int cores,
-                      int engines, int planner, int64_t comm_buffer_bytes) {
-  OpParams p;
-  p.kind = static_cast<OpKind>(kind);
-  p.dtype = static_cast<DType>(dtype);
-  p.op = static_cast<ReduceOp>(reduce_op);
-  p.root = root;
-  p.perm = std::move(perm);
-  p.group_size = group_size;
-  BlockCounts(p.kind, group_size, &p.in_blocks, &p.out_blocks);
-  p.block_bytes = block_bytes;
-  p.rows = rows;
-  p.mode = static_cast<Mode>(mode);
-  p.cores = cores;
-  p.engines = engines;
-  p.planner = static_cast<Planner>(planner);
-  p.comm_buffer_bytes = comm_buffer_bytes;
-  return p;
 }
 
 Plan BuildPartitionedPlan(const OpParams& p) {
@@ -101,14 +72,7 @@ Plan BuildPartitionedPlan(const OpParams& p) {
   plan.block_bytes = p.block_bytes;
   plan.dtype = p.dtype;
   plan.op = p.op;
-  switch (p.kind) {
-    case OpKind::kAllReduce: BuildAllReducePlan(p, plan); break;
-    case OpKind::kAllGather: BuildAllGatherPlan(p, plan); break;
-    case OpKind::kReduceScatter: BuildReduceScatterPlan(p, plan); break;
-    case OpKind::kAllToAll: BuildAllToAllPlan(p, plan); break;
-    case OpKind::kBroadcast: BuildBroadcastPlan(p, plan); break;
-    case OpKind::kPermute: BuildPermutePlan(p, plan); break;
-  }
+  p.builder->add_transfers(p, plan);
   // Reductions run on vector cores; pure data movement on DMA engines when
   // their descriptor cost is amortised, else on the cores (MovesOnSdma).
   plan.on_sdma = MovesOnSdma(p);
@@ -237,22 +201,16 @@ Communicator* GetCommunicator(const std::vector<int32_t>& devices) {
 
 
 // Where each rank's blocks live during one phase: the user buffers (strata
-// mode) or a window of columns staged in comm buffers (buffer_centric).
+// mode) or comm buffers holding a round's window of columns (buffer_centric,
+// whose every round has a plan of its own width: a view always holds all of
+// its plan's columns).
 struct View {
   std::vector<const char*> in;
   std::vector<char*> out;
   int64_t rows = 1;
   int64_t in_row_stride = 0, out_row_stride = 0, block_stride = 0;
-  int64_t col_lo = 0, col_hi = 0;  // window of the message's columns present
   bool streaming = false;  // outputs too large to stay cached: non-temporal stores
 };
-
-// A piece's columns inside the view's window, as [c0, c1) of the message.
-inline bool Clip(const Piece& piece, const View& v, int64_t* c0, int64_t* c1) {
-  *c0 = std::max(piece.col_begin, v.col_lo);
-  *c1 = std::min(piece.col_end, v.col_hi);
-  return *c1 > *c0;
-}
 
 // A copy of a few bytes: an all_to_all of 1 KB per rank over 384 ranks is
 // 147k transfers of one float, where a call to memcpy costs more than the move.
@@ -283,7 +241,7 @@ int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, 
   if (one.src_count == 1 && one.dst_count == 1 && !plan.is_reduction()) {
     // One source to one destination (all_to_all, ppermute, gathers): no
     // pointer tables, and small moves inline.
-    const int64_t len = c1 - c0, local = c0 - v.col_lo;
+    const int64_t len = c1 - c0, local = c0;
     const BlockRef& sb = plan.refs[one.src_begin];
     const BlockRef& db = plan.refs[one.dst_begin];
     CopyRows(v.out[db.rank] + db.block * v.block_stride + local,
@@ -295,7 +253,7 @@ int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, 
   std::vector<const void*> srcs_heap;
   std::vector<void*> dsts_heap;
   const Transfer& t = plan.transfers[transfer];
-  const int64_t len = c1 - c0, local = c0 - v.col_lo;
+  const int64_t len = c1 - c0, local = c0;
   const void** sp = srcs;
   void** dp = dsts;
   if (t.src_count > 512 || t.dst_count > 512) {
@@ -368,7 +326,7 @@ int64_t RunMoves(const Plan& plan, uint64_t chunk, const View& v, const std::vec
   return written;
 }
 
-// Host chunk `chunk` of any plan, within the view's window: the chunk's pieces
+// Host chunk `chunk` of any plan: the chunk's pieces
 // as long column runs. Consecutive lanes of an NPU cut one transfer into
 // neighbouring ranges, and running each range on its own restarts every
 // source stream (rs 4 MB per rank over 48 lanes: 15 % slower than over 2).
@@ -383,8 +341,8 @@ int64_t RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::ve
     for (uint32_t pi = task.piece_begin; pi < task.piece_end; ++pi) {
       const Piece& piece = plan.pieces[pi];
       const Transfer& t = plan.transfers[piece.transfer];
-      int64_t c0, c1;
-      if (!Clip(piece, v, &c0, &c1)) continue;
+      const int64_t c0 = piece.col_begin, c1 = piece.col_end;
+      if (c1 <= c0) continue;
       touched += (c1 - c0) * (t.src_count + t.dst_count) * v.rows;
       if (piece.transfer == run_transfer && c0 == run_c1 && run_c1 > run_c0) {
         run_c1 = c1;  // the next lane's range continues the run
@@ -403,8 +361,8 @@ int64_t RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::ve
 
 // The exchange as a phase: one task per host chunk of lane tasks. Each lane
 // is credited with what it moves (the emulated core's or engine's work); the
-// host runs a copy-only plan's resolved moves when it has the whole message,
-// else the chunk's pieces.
+// host runs a copy-only plan's resolved moves when it has them, else the
+// chunk's pieces.
 // `devices` is the communicator's list: communicators live as long as the process.
 Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, const std::vector<int32_t>* devices,
                     bool direct) {
@@ -414,8 +372,7 @@ Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, const std::vector<
     // Reused by the thread: a fresh vector grew (allocated) several times per chunk.
     thread_local std::vector<Stats::LaneBytes> lane_bytes;
     lane_bytes.clear();
-    const bool whole = v.col_lo == 0 && v.col_hi == plan->block_bytes;
-    const int64_t written = !plan->moves.empty() && whole
+    const int64_t written = !plan->moves.empty()
                                 ? RunMoves(*plan, chunk, v, *devices, &lane_bytes)
                                 : RunPieces(*plan, chunk, v, *devices, &lane_bytes);
     if (v.streaming) StoreFence();
@@ -439,20 +396,45 @@ View DirectView(const Slot& s, const OpParams& p) {
   v.in_row_stride = p.in_blocks * p.block_bytes;
   v.out_row_stride = p.out_blocks * p.block_bytes;
   v.block_stride = p.block_bytes;
-  v.col_lo = 0;
-  v.col_hi = p.block_bytes;
   v.streaming = StreamsOutputs(p.rows * p.out_blocks * p.block_bytes, s.n);
   return v;
 }
 
+// Columns [lo, lo + w) of blocks [b0, b1) of every row, between a user
+// buffer (blocks of m bytes) and a comm buffer (blocks of w bytes): one
+// contiguous range per row when the window is the whole block.
+void StageBlocks(const char* from, char* to, bool into_comm, int64_t rows, int64_t blocks, int64_t b0,
+                 int64_t b1, int64_t m, int64_t lo, int64_t w) {
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t first = row * blocks + b0;
+    if (w == m) {
+      std::memcpy(to + first * m, from + first * m, (b1 - b0) * m);
+      continue;
+    }
+    for (int64_t b = first; b < first + (b1 - b0); ++b) {
+      if (into_comm) std::memcpy(to + b * w, from + b * m + lo, w);
+      else std::memcpy(to + b * m + lo, from + b * w, w);
+    }
+  }
+}
+
+// The blocks a plan reads (in) and writes (out) on each rank, as runs: what
+// buffer_centric stages when the plan does not touch every block (a ragged
+// exchange: rows nobody writes keep the output's values).
+struct StagedRuns {
+  std::vector<std::vector<BlockRun>> in, out;  // per rank
+};
+
 // The vendor-library baseline: each rank's data is copied into its comm
 // buffer, the exchange runs between comm buffers, and results are copied out,
 // in rounds of columns when the message is larger than the buffer. Each
-// round exchanges its window as a whole op of that width (its own plan), so
-// every rank and lane shares every round's work, as a vendor library's
-// rounds do. Every copy is one task of a phase; phases run in order.
+// round exchanges its window as a whole op of that width (its own plan,
+// `round_plan(width)`), so every rank and lane shares every round's work, as
+// a vendor library's rounds do. Every block is staged, or `runs`' when given.
+// Every copy is one task of a phase; phases run in order.
 Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* communicator,
-                        const OpParams& p, Job* job) {
+                        const OpParams& p, const std::function<std::shared_ptr<const Plan>(int64_t)>& round_plan,
+                        std::shared_ptr<const StagedRuns> runs, Job* job) {
   const int64_t m = p.block_bytes;
   const int64_t max_blocks = std::max(p.in_blocks, p.out_blocks);
   const int64_t window = CommWindowBytes(p);
@@ -473,38 +455,75 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
   const int64_t rows = p.rows, in_blocks = p.in_blocks, out_blocks = p.out_blocks;
   for (int64_t lo = 0; lo < m; lo += window) {
     const int64_t w = std::min(window, m - lo);
-    OpParams round = p;
-    round.block_bytes = w;
-    round.movement_lanes = MovesOnSdma(p) ? 1 : 0;  // the op's choice, every round
-    std::shared_ptr<const Plan> plan = communicator->GetPlan(round);
-    v.col_lo = 0;  // the round's plan addresses the window's own columns
-    v.col_hi = w;
-    v.block_stride = w;
+    std::shared_ptr<const Plan> plan = round_plan(w);
+    v.block_stride = w;  // the round's plan addresses the window's own columns
     v.in_row_stride = in_blocks * w;
     v.out_row_stride = out_blocks * w;
-    // Stage in: rank r's columns [lo, lo+w) of every block and row.
+    // Stage in: rank r's columns [lo, lo+w) of every block (or run) and row.
     Phase stage_in;
     stage_in.count = s.n;
     stage_in.run = [=](uint64_t r) {
       char* comm_in = const_cast<char*>(v.in[r]);
-      for (int64_t row = 0; row < rows; ++row)
-        for (int64_t b = 0; b < in_blocks; ++b)
-          std::memcpy(comm_in + (row * in_blocks + b) * w, user_in[r] + (row * in_blocks + b) * m + lo, w);
-      GlobalStats().bytes_staged += rows * in_blocks * w;
+      int64_t blocks = in_blocks;
+      if (!runs) {
+        StageBlocks(user_in[r], comm_in, true, rows, in_blocks, 0, in_blocks, m, lo, w);
+      } else {
+        blocks = 0;
+        for (const BlockRun& run : runs->in[r]) {
+          StageBlocks(user_in[r], comm_in, true, rows, in_blocks, run.begin, run.end, m, lo, w);
+          blocks += run.end - run.begin;
+        }
+      }
+      GlobalStats().bytes_staged += rows * blocks * w;
     };
     Phase stage_out;
     stage_out.count = s.n;
     stage_out.run = [=](uint64_t r) {
-      for (int64_t row = 0; row < rows; ++row)
-        for (int64_t b = 0; b < out_blocks; ++b)
-          std::memcpy(user_out[r] + (row * out_blocks + b) * m + lo, v.out[r] + (row * out_blocks + b) * w, w);
-      GlobalStats().bytes_staged += rows * out_blocks * w;
+      int64_t blocks = out_blocks;
+      if (!runs) {
+        StageBlocks(v.out[r], user_out[r], false, rows, out_blocks, 0, out_blocks, m, lo, w);
+      } else {
+        blocks = 0;
+        for (const BlockRun& run : runs->out[r]) {
+          StageBlocks(v.out[r], user_out[r], false, rows, out_blocks, run.begin, run.end, m, lo, w);
+          blocks += run.end - run.begin;
+        }
+      }
+      GlobalStats().bytes_staged += rows * blocks * w;
     };
     job->phases.push_back(std::move(stage_in));
     job->phases.push_back(ExchangePhase(plan, v, &communicator->devices, /*direct=*/false));
     job->phases.push_back(std::move(stage_out));
   }
   return Status::Ok();
+}
+
+// buffer_centric's job on a set of the communicator's comm buffers, which go
+// back to it when the job is done (or failed to be made).
+Status StagedJob(const Slot& s, Communicator* comm, const OpParams& p,
+                 const std::function<std::shared_ptr<const Plan>(int64_t)>& round_plan,
+                 std::shared_ptr<const StagedRuns> runs, Job* job) {
+  std::shared_ptr<CommBuffers> buffers = comm->AcquireBuffers(p.comm_buffer_bytes);
+  if (!buffers)
+    return Status::Error("cannot allocate communication buffers of comm_buffer_bytes=" +
+                         std::to_string(p.comm_buffer_bytes) + " per rank; lower " +
+                         "strata.config(comm_buffer_bytes=...)");
+  auto release = [comm, buffers] { comm->ReleaseBuffers(std::make_unique<CommBuffers>(std::move(*buffers))); };
+  Status st = BufferCentricJob(s, *buffers, comm, p, round_plan, std::move(runs), job);
+  if (!st.ok) release();
+  else job->on_done = release;
+  return st;
+}
+
+// Merges one rank's block runs (sorted by start) where they touch or overlap.
+std::vector<BlockRun> MergeRuns(std::vector<BlockRun> runs) {
+  std::sort(runs.begin(), runs.end(), [](const BlockRun& a, const BlockRun& b) { return a.begin < b.begin; });
+  std::vector<BlockRun> merged;
+  for (const BlockRun& run : runs) {
+    if (!merged.empty() && run.begin <= merged.back().end) merged.back().end = std::max(merged.back().end, run.end);
+    else merged.push_back(run);
+  }
+  return merged;
 }
 
 }  // namespace
@@ -515,11 +534,14 @@ bool RunsInline(const OpParams& p) {
 }
 
 void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void(const Status&)> done) {
-  const Participant who = c.As(OpName(p.kind), p.group_size);
+  const Participant who = c.As(p.name(), p.group_size);
+  if (!p.builder || !p.builder->add_transfers)
+    return done(Status::Error(std::string(who.opname) + ": the op has no plan builder (OpParams made "
+                              "without algorithms/op_registry.h's MakeOpParams)"));
   if (c.rank < 0 || c.rank >= p.group_size)
     return done(Status::Error(std::string(who.opname) + ": rank " + std::to_string(c.rank) +
                               " is out of range for a group of " + std::to_string(p.group_size)));
-  if (model::TraceEnabled()) done = model::TraceCollective(p, c, std::move(done));
+  if (OpObserver* observer = ActiveObserver()) done = observer->OnCollective(p, c, std::move(done));
   const int64_t in_bytes = p.rows * p.in_blocks * p.block_bytes;
   const int64_t out_bytes = p.rows * p.out_blocks * p.block_bytes;
   if (p.mode == Mode::kStrata) {
@@ -538,18 +560,13 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
               Communicator* comm = GetCommunicator(s.devices);
               *job = std::make_shared<Job>();
               if (p.mode == Mode::kBufferCentric) {
-                std::shared_ptr<CommBuffers> buffers = comm->AcquireBuffers(p.comm_buffer_bytes);
-                if (!buffers)
-                  return Status::Error("cannot allocate communication buffers of comm_buffer_bytes=" +
-                                       std::to_string(p.comm_buffer_bytes) + " per rank; lower " +
-                                       "strata.config(comm_buffer_bytes=...)");
-                auto release = [comm, buffers] {
-                  comm->ReleaseBuffers(std::make_unique<CommBuffers>(std::move(*buffers)));
+                auto round_plan = [comm, &p](int64_t width) {
+                  OpParams round = p;
+                  round.block_bytes = width;
+                  round.movement_lanes = MovesOnSdma(p) ? 1 : 0;  // the op's choice, every round
+                  return comm->GetPlan(round);
                 };
-                Status st = BufferCentricJob(s, *buffers, comm, p, job->get());
-                if (!st.ok) release();
-                else (*job)->on_done = release;
-                return st;
+                return StagedJob(s, comm, p, round_plan, nullptr, job->get());
               }
               Phase exchange = ExchangePhase(comm->GetPlan(p), DirectView(s, p), &comm->devices, /*direct=*/true);
               if (RunsInline(p)) {
@@ -559,6 +576,58 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
               }
               return Status::Ok();
             });
+}
+
+Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) {
+  *job = std::make_shared<Job>();
+  if (p.block_bytes == 0) return Status::Ok();
+  // The busiest rank's bytes read + written decide the lanes, as a
+  // collective's buffers do (MovesOnSdma).
+  std::vector<int64_t> rank_bytes(plan.num_ranks, 0);
+  for (const Transfer& t : plan.transfers) {
+    for (uint32_t k = 0; k < t.src_count; ++k) rank_bytes[plan.refs[t.src_begin + k].rank] += plan.Columns(t);
+    for (uint32_t k = 0; k < t.dst_count; ++k) rank_bytes[plan.refs[t.dst_begin + k].rank] += plan.Columns(t);
+  }
+  const int64_t busiest = rank_bytes.empty() ? 0 : *std::max_element(rank_bytes.begin(), rank_bytes.end());
+  plan.on_sdma = !plan.is_reduction() && MovesOnSdma(p.rows * busiest, p.engines);
+  p.movement_lanes = plan.on_sdma ? 1 : 0;
+  Communicator* comm = GetCommunicator(s.devices);
+  if (p.mode == Mode::kBufferCentric) {
+    auto runs = std::make_shared<StagedRuns>();
+    runs->in.resize(plan.num_ranks);
+    runs->out.resize(plan.num_ranks);
+    for (const Transfer& t : plan.transfers) {
+      for (uint32_t k = 0; k < t.src_count; ++k) {
+        const BlockRef& b = plan.refs[t.src_begin + k];
+        runs->in[b.rank].push_back({b.block, b.block + t.span});
+      }
+      for (uint32_t k = 0; k < t.dst_count; ++k) {
+        const BlockRef& b = plan.refs[t.dst_begin + k];
+        runs->out[b.rank].push_back({b.block, b.block + t.span});
+      }
+    }
+    for (auto* per_rank : {&runs->in, &runs->out})
+      for (auto& rank_runs : *per_rank) rank_runs = MergeRuns(std::move(rank_runs));
+    auto base = std::make_shared<const Plan>(std::move(plan));
+    auto round_plan = [base, &p](int64_t width) {
+      Plan round = *base;
+      round.block_bytes = width;
+      Partition(round, round.on_sdma ? p.engines : p.cores, p.planner);
+      return std::make_shared<const Plan>(std::move(round));
+    };
+    return StagedJob(s, comm, p, round_plan, std::move(runs), job->get());
+  }
+  Partition(plan, plan.on_sdma ? p.engines : p.cores, p.planner);
+  int64_t moved = 0;
+  for (const LaneTask& task : plan.tasks) moved += task.bytes * p.rows;
+  Phase exchange = ExchangePhase(std::make_shared<const Plan>(std::move(plan)), DirectView(s, p),
+                                 &comm->devices, /*direct=*/true);
+  if (RunsInline(p.mode, moved, 1, kHostChunkBytes)) {
+    for (uint64_t i = 0; i < exchange.count; ++i) exchange.run(i);
+  } else {
+    (*job)->phases.push_back(std::move(exchange));
+  }
+  return Status::Ok();
 }
 
 Status RunCollective(const OpParams& p, const RankCall& c) {

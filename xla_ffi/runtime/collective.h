@@ -3,29 +3,43 @@
 // arrive checks they all asked for the same op and hands the op's plan to the
 // host workers (executor.h) as a job, in "strata" (direct user-buffer) or
 // "buffer_centric" (staged through pre-registered comm buffers) mode.
+// Which op it is reaches the runtime as a PlanBuilder (defined per op by the
+// algorithms layer, algorithms/op_registry.h): the runtime never names an op.
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "dtypes.h"
+#include "executor.h"
 #include "plan.h"
 #include "rendezvous.h"
 #include "status.h"
 
 namespace strata {
 
-enum class OpKind : int32_t {
-  kAllReduce = 0, kAllGather, kReduceScatter, kAllToAll, kBroadcast, kPermute,
-};
-const char* OpName(OpKind kind);
-
 enum class Mode : int32_t { kStrata = 0, kBufferCentric = 1 };
+inline constexpr int32_t kModeCount = 2;
+const char* ModeName(Mode mode);  // "strata", "buffer_centric": strata.config's names
+
+struct OpParams;
+
+// How one collective becomes a plan: the algorithms layer defines one per op
+// and every OpParams points at its op's, so the runtime builds, caches and
+// runs plans without switching on which op it runs.
+struct PlanBuilder {
+  int32_t code = -1;           // the op's stable id: signatures and plan keys hold it
+  const char* name = "strata"; // "strata.all_reduce": errors and traces name the op by it
+  // Adds the op's transfers over p.group_size ranks to `plan` (whose layout
+  // fields are already set from p).
+  void (*add_transfers)(const OpParams& p, Plan& plan) = nullptr;
+};
 
 // What the op is. Identical on every rank of a group; checked at rendezvous.
 struct OpParams {
-  OpKind kind = OpKind::kAllReduce;
+  const PlanBuilder* builder = nullptr;  // never null once made (algorithms/op_registry.h)
   DType dtype = DType::F32;
   ReduceOp op = ReduceOp::kNone;
   int32_t root = 0;
@@ -42,6 +56,7 @@ struct OpParams {
   // the other fields, so not part of the signature the ranks compare.
   int32_t movement_lanes = -1;
 
+  const char* name() const { return builder ? builder->name : "strata.collective"; }
   std::string Describe() const;  // for mismatch errors
   Signature Sign() const;         // what the ranks compare (Describe on mismatch)
   void PlanKey(std::string* key) const;  // everything a plan depends on, as bytes in *key
@@ -86,7 +101,7 @@ bool RunsInline(const OpParams& params);
 // engines in the preset), but it does not value the cores the offload frees
 // for compute; the rule keeps the offload for the ops where it costs at most
 // as much again as the transfer. The defaults are the preset's figures
-// (stratacl_jax/emulator.py, SupernodeSpec: sdma_descriptor_us, sdma_gbps).
+// (stratacl_jax/supernode/spec.py, SupernodeSpec: sdma_descriptor_us, sdma_gbps).
 inline constexpr double kSdmaDescriptorUs = 90.0;
 inline constexpr double kSdmaGbps = 21.18;
 bool MovesOnSdma(int64_t bytes_per_rank, int engines, double descriptor_us = kSdmaDescriptorUs,
@@ -96,13 +111,20 @@ bool MovesOnSdma(int64_t bytes_per_rank, int engines, double descriptor_us = kSd
 bool MovesOnSdma(const OpParams& p, double descriptor_us = kSdmaDescriptorUs,
                  double sdma_gbps = kSdmaGbps);
 
-// OpParams from the plain values bindings and tools pass (enums as ints).
-OpParams MakeOpParams(int kind, int dtype, int reduce_op, int root, std::vector<int32_t> perm,
-                      int group_size, int64_t block_bytes, int64_t rows, int mode, int cores,
-                      int engines, int planner, int64_t comm_buffer_bytes);
-
-// The plan of an op, as the runtime would build it (for tests and tools).
+// The plan of an op, as the runtime would build it (for the model, tests and
+// tools): the op's transfers (params.builder), their lanes and partition.
 Plan BuildPartitionedPlan(const OpParams& params);
+
+// A plan built at the rendezvous from the ranks' published data (a ragged
+// exchange's sizes), run like a collective's: the job that moves it between
+// the buffers in `s` (ptrs[r][0] in, [1] out) in p's mode, on p's lanes (the
+// busiest rank's bytes read + written decide cores or SDMA engines) with p's
+// planner. `plan` holds its transfers and layout, unpartitioned; p gives the
+// same layout (in_blocks, out_blocks, block_bytes, rows). Not cached: such a
+// plan changes with the data. buffer_centric stages only the blocks the plan
+// reads and writes (others keep the output's values). In strata mode a small
+// plan runs here, on the calling thread (RunsInline), leaving the job empty.
+Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job);
 
 // buffer_centric mode: the columns of every block that fit the comm buffer at
 // once (the op runs in rounds of this many); <= 0 when not even one fits.

@@ -8,7 +8,9 @@
 namespace strata {
 
 enum class DType : int32_t { F32, F64, F16, BF16, S8, S32, S64, U8, U32, PRED, C64, C128 };
+inline constexpr int32_t kDTypeCount = static_cast<int32_t>(DType::C128) + 1;
 enum class ReduceOp : int32_t { kSum = 0, kMax = 1, kMin = 2, kProd = 3, kNone = 4 };
+inline constexpr int32_t kReduceOpCount = static_cast<int32_t>(ReduceOp::kNone) + 1;
 
 size_t DTypeSize(DType t);
 bool IsComplex(DType t);

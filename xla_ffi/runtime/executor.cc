@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <deque>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -24,6 +25,8 @@ int HostWorkers() {
   }();
   return workers;
 }
+
+void NameThisThread(const char* name) { pthread_setname_np(pthread_self(), name); }
 
 namespace {
 
@@ -43,7 +46,12 @@ bool SettlePhase(Running& r) {
 class Executor {
  public:
   Executor() {
-    for (int i = 0; i < HostWorkers(); ++i) std::thread([this] { WorkerLoop(); }).detach();
+    for (int i = 0; i < HostWorkers(); ++i) {
+      std::thread([this] {
+        NameThisThread("strata-worker");
+        WorkerLoop();
+      }).detach();
+    }
   }
 
   void Submit(std::shared_ptr<Job> job, bool help) {
@@ -151,7 +159,10 @@ Executor& Global() {
 class Resumers {
  public:
   Resumers() : target_(HostWorkers()) {
-    std::thread([this] { MonitorLoop(); }).detach();
+    std::thread([this] {
+      NameThisThread("strata-monitor");
+      MonitorLoop();
+    }).detach();
   }
 
   // Takes (moves out, then clears) the functions of `fns`.
@@ -219,7 +230,10 @@ class Resumers {
     w->seen = 0;
     workers_.push_back(w);
     busy_++;  // counts as looking for work until it first waits
-    std::thread([this, w, permanent] { Loop(w, permanent); }).detach();
+    std::thread([this, w, permanent] {
+      NameThisThread("strata-resume");
+      Loop(w, permanent);
+    }).detach();
   }
 
   void Loop(Worker* w, bool permanent) {

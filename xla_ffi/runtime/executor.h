@@ -29,6 +29,11 @@ struct Job {
 
 int HostWorkers();
 
+// Names the calling thread (at most 15 characters: Linux's limit), so top,
+// perf and profilers tell strata's threads from XLA's: a thread started by
+// std::thread otherwise inherits the name of whichever thread started it.
+void NameThisThread(const char* name);
+
 // Queues `job`; it runs on the host workers. With `help`, the calling thread
 // also runs the job's tasks until none is left to claim (it never waits for
 // tasks others are running). A job without tasks completes at once, on the

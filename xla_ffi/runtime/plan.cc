@@ -5,8 +5,13 @@
 
 namespace strata {
 
-void Plan::Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts) {
+const char* PlannerName(Planner planner) {
+  return planner == Planner::kNaive ? "naive" : "balanced";
+}
+
+void Plan::Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts, uint32_t span) {
   Transfer t;
+  t.span = span;
   t.src_begin = static_cast<uint32_t>(refs.size());
   t.src_count = static_cast<uint32_t>(srcs.size());
   refs.insert(refs.end(), srcs.begin(), srcs.end());
@@ -58,29 +63,33 @@ void PullMoves(Plan& plan) {
   if (m <= 0 || chunks == 0) return;
   struct Copy {
     BlockRef dst, src;
+    int64_t len;
   };
   std::vector<Copy> copies;
-  for (const Transfer& t : plan.transfers)
-    for (uint32_t k = 0; k < t.dst_count; ++k)
-      copies.push_back({plan.refs[t.dst_begin + k], plan.refs[t.src_begin]});
+  int64_t total = 0;
+  for (const Transfer& t : plan.transfers) {
+    for (uint32_t k = 0; k < t.dst_count; ++k) {
+      copies.push_back({plan.refs[t.dst_begin + k], plan.refs[t.src_begin], plan.Columns(t)});
+      total += plan.Columns(t);
+    }
+  }
   std::stable_sort(copies.begin(), copies.end(), [](const Copy& a, const Copy& b) {
     return a.dst.rank != b.dst.rank ? a.dst.rank < b.dst.rank : a.dst.block < b.dst.block;
   });
   // Bytes per chunk: a run is cut there, so no chunk gets much more than its share.
-  const int64_t total = static_cast<int64_t>(copies.size()) * m;
   const int64_t share = std::max<int64_t>(m, (total + static_cast<int64_t>(chunks) - 1) / static_cast<int64_t>(chunks));
   int64_t in_chunk = share;  // the first copy opens chunk 0
   for (const Copy& c : copies) {
-    const Move next{c.src.rank, c.src.block, c.dst.rank, c.dst.block, 0, m};
-    if (in_chunk + m > share && plan.move_starts.size() < chunks) {
+    const Move next{c.src.rank, c.src.block, c.dst.rank, c.dst.block, 0, c.len};
+    if (in_chunk + c.len > share && plan.move_starts.size() < chunks) {
       plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
       in_chunk = 0;
     } else if (ExtendRun(plan.moves.back(), next)) {
-      in_chunk += m;
+      in_chunk += c.len;
       continue;
     }
     plan.moves.push_back(next);
-    in_chunk += m;
+    in_chunk += c.len;
   }
   while (plan.move_starts.size() < chunks) plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
   plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
@@ -90,7 +99,6 @@ void PullMoves(Plan& plan) {
 
 void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
                int64_t host_chunk_bytes) {
-  const int64_t m = plan.block_bytes;
   const int n = plan.num_ranks;
   // Element alignment is the hard constraint; cache lines are the soft one.
   const int64_t esize = static_cast<int64_t>(DTypeSize(plan.dtype));
@@ -104,10 +112,11 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
   std::vector<std::vector<Piece>> by_npu(n);
   for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti) {
     const Transfer& t = plan.transfers[ti];
-    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, m / kMinShareBytes));
+    const int64_t cols = plan.Columns(t);
+    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, cols / kMinShareBytes));
     for (int64_t s = 0; s < shares && t.dst_count > 0; ++s) {
-      int64_t c0 = std::min(m, AlignDown(m * s / shares, align));
-      int64_t c1 = s + 1 == shares ? m : std::min(m, AlignDown(m * (s + 1) / shares, align));
+      int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align));
+      int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align));
       if (c1 <= c0) continue;
       int32_t npu = plan.refs[t.dst_begin + (s + ti) % t.dst_count].rank;
       by_npu[npu].push_back({ti, npu, c0, c1});
@@ -219,7 +228,9 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
   const bool one_to_one = std::all_of(plan.transfers.begin(), plan.transfers.end(),
                                       [](const Transfer& t) { return t.dst_count == 1; });
   if (!one_to_one) {
-    if (static_cast<int64_t>(plan.transfers.size()) * m <= kPullSourceBytes) PullMoves(plan);
+    int64_t sources = 0;
+    for (const Transfer& t : plan.transfers) sources += plan.Columns(t);
+    if (sources <= kPullSourceBytes) PullMoves(plan);
     return;
   }
   for (size_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) {

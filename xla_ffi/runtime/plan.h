@@ -7,6 +7,9 @@
 //   output of each rank: [rows, out_blocks, block_bytes]
 // `rows` is 1 except under vmap, where batch dims lead. A transfer moves the
 // same column range of every row, so one plan serves any batch size.
+// A transfer may span several consecutive blocks (ragged_all_to_all's run of
+// rows): within a row they are contiguous, so its columns are the one byte
+// range [0, span x block_bytes) from each ref's block on.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -21,16 +24,25 @@ struct BlockRef {
   int32_t block;
 };
 
+// Blocks [begin, end) of one rank's buffer.
+struct BlockRun {
+  int64_t begin, end;
+};
+
 // Reduce (or copy, with one source) `srcs` into every one of `dsts`.
 // No sources means the destinations are zero-filled (ppermute's silent ranks).
 struct Transfer {
   uint32_t src_begin, src_count;  // into Plan::refs
   uint32_t dst_begin, dst_count;
+  uint32_t span = 1;  // consecutive blocks each ref covers
 };
 
 enum class Planner : int32_t { kBalanced = 0, kNaive = 1 };
+inline constexpr int32_t kPlannerCount = 2;
+const char* PlannerName(Planner planner);  // "balanced", "naive": strata.config's names
 
-// One lane's share of one transfer: columns [col_begin, col_end) of all rows.
+// One lane's share of one transfer: columns [col_begin, col_end) of all rows
+// (of the transfer's span x block_bytes columns).
 struct Piece {
   uint32_t transfer;
   int32_t executor;  // the NPU doing it
@@ -89,7 +101,8 @@ struct Plan {
   std::vector<uint32_t> move_starts;
 
   bool is_reduction() const { return op != ReduceOp::kNone; }
-  void Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts);
+  int64_t Columns(const Transfer& t) const { return t.span * block_bytes; }
+  void Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts, uint32_t span = 1);
 };
 
 // Splits every transfer's columns over its destination ranks (each computes a

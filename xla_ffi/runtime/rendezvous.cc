@@ -290,7 +290,10 @@ void InstallInterruptHandler() {
     if (sigaction(SIGINT, nullptr, &now) != 0 || (!(now.sa_flags & SA_SIGINFO) && now.sa_handler == SIG_IGN))
       return;  // SIGINT ignored: nothing would interrupt the program either
     sem_init(&g_interrupt_sem, 0, 0);
-    std::thread(InterruptLoop).detach();
+    std::thread([] {
+      NameThisThread("strata-sigint");
+      InterruptLoop();
+    }).detach();
     g_prev_sigint = now;
     struct sigaction ours = {};
     ours.sa_sigaction = OnInterrupt;
@@ -302,7 +305,12 @@ void InstallInterruptHandler() {
 
 void JoinAsync(const Participant& who, const PtrList& ptrs, const Signature& signature,
                Completion done, const Starter& start) {
-  std::call_once(g_watchdog_once, [] { std::thread(WatchdogLoop).detach(); });
+  std::call_once(g_watchdog_once, [] {
+    std::thread([] {
+      NameThisThread("strata-watchdog");
+      WatchdogLoop();
+    }).detach();
+  });
   std::shared_ptr<Slot> slot;
   {
     std::unique_lock<SpinLock> lock(g_mu);

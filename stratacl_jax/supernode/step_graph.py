@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from jax.extend import core as jcore
 
-from . import _model
+from . import op_model as _model
 
 # Equations that only relabel data: no kernel, no bytes.
 FREE = frozenset({

@@ -14,20 +14,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _config
-from . import _core
+from .. import _config
+from .. import _core
+from .spec import preset
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
+# The extension's tables (xla_ffi/algorithms/op_registry.h, runtime/dtypes.h), not copies of them.
+COLLECTIVES = tuple(_core.op_names())  # in OpKind order: a name's index is its code
 MOE_OPS = ("moe_dispatch", "moe_combine", "moe_combine_backward")
 OP_KIND = {name: i for i, name in enumerate(COLLECTIVES)}
-# xla_ffi/runtime/dtypes.h, DType.
-DTYPE_CODE = {"float32": 0, "float64": 1, "float16": 2, "bfloat16": 3, "int8": 4, "int32": 5,
-              "int64": 6, "uint8": 7, "uint32": 8, "bool": 9}
-DTYPE_SIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "int32": 4,
-              "int64": 8, "uint8": 1, "uint32": 4, "bool": 1}
-REDUCE_CODE = {"sum": 0, "max": 1, "min": 2, "prod": 3, "mean": 0}
-MODES = ("strata", "buffer_centric")
-_PLANNER_CODE = {"balanced": 0, "naive": 1}
+DTYPE_CODE = _core.dtype_codes()
+DTYPE_SIZE = _core.dtype_sizes()
+REDUCE_CODE = {**{k: v for k, v in _core.reduce_ops().items() if k != "none"}, "mean": _core.reduce_ops()["sum"]}
+MODES = tuple(_core.mode_codes())
+_PLANNER_CODE = _core.planner_codes()
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -69,18 +68,15 @@ def round_bytes(op: str, bytes_per_rank, npus: int, dtype: str = "float32") -> i
     and for reduce_scatter / all_to_all a whole element per rank; 0 when less than that.
     Sweeps call it to pick valid sizes without model's rounding warning."""
     item = DTYPE_SIZE[dtype]
-    unit = item * (int(npus) if op in ("reduce_scatter", "all_to_all") else 1)
+    per_rank_blocks = op in OP_KIND and _core.op_block_counts(op, int(npus))[0] > 1
+    unit = item * (int(npus) if per_rank_blocks else 1)
     nbytes = parse_bytes(bytes_per_rank, "bytes_per_rank")
     return max(0, nbytes - nbytes % unit)
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw (doc/PERFORMANCE.md)."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
+    """nccl-tests' busbw / algbw (doc/PERFORMANCE.md), from the op registry; 1 for other ops."""
+    return _core.bus_factor(op, int(n)) if op in OP_KIND else 1.0
 
 
 @dataclass
@@ -195,8 +191,6 @@ def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: st
     token), `capacity=` (default: no drops), `seed=`.
     The `strata.config` settings to assume default to those in force.
     """
-    from .emulator import preset
-
     sp = preset(spec)
     if mode not in MODES:
         raise ValueError(f"strata.emulator.model: mode must be one of {MODES}, got {mode!r}")

@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _core
-from . import _multiprocess
-from ._model import COLLECTIVES, DTYPE_CODE, MODES, format_bytes, model
+from .. import _core
+from .. import _multiprocess
+from .op_model import COLLECTIVES, DTYPE_CODE, MODES, format_bytes, model
+from .spec import preset
+from .step import simulate
 
 _DTYPE_NAME = {v: k for k, v in DTYPE_CODE.items()}
-_REDUCE_NAME = {0: "sum", 1: "max", 2: "min", 3: "prod", 4: "none"}
+_REDUCE_NAME = {v: k for k, v in _core.reduce_ops().items()}
 _MOE_NAME = {1: "moe_dispatch", 2: "moe_combine", 3: "moe_combine_backward"}
 _PHASE_NAME = {0: "exchange", 1: "stage in", 2: "stage out"}
 _active_lock = threading.Lock()
@@ -147,8 +149,6 @@ def trace(path: str | None = None, spec="cloudmatrix384") -> "Trace":
 
 class Trace:
     def __init__(self, path: str | None = None, spec="cloudmatrix384"):
-        from .emulator import preset
-
         self.path = path
         self.spec = preset(spec)
         self.ops: list[OpRecord] = []
@@ -165,8 +165,6 @@ class Trace:
         """The step model of `fn(*args)` (strata.emulator.simulate on this
         trace's preset), kept so the saved trace shows compute and
         communication of the whole step on the modeled timeline too."""
-        from ._step import simulate
-
         step = simulate(fn, *args, spec=self.spec, mode=mode, **settings)
         self.steps.append(step)
         return step

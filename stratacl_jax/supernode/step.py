@@ -1,7 +1,7 @@
 """strata.emulator.simulate(): what a whole step would take on the supernode.
 
 The step is traced (never executed), its per-device program becomes a graph
-of kernels and collectives (`_step_graph`), and a list scheduler runs that
+of kernels and collectives (`step_graph`), and a list scheduler runs that
 graph on one rank's resources (every rank runs the same SPMD program, and the
 op model already times each collective over its whole group):
 
@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 import jax
 
-from . import _model
-from ._step_graph import Graph
+from . import op_model as _model
+from .spec import preset
+from .step_graph import FUSED_PREFIX, Graph
 
 STEP_SETTINGS = ("planner", "cores_per_npu", "sdma_engines_per_npu", "comm_buffer_bytes")
 
@@ -149,8 +150,6 @@ def fused(fn=None, *, name: str | None = None):
     or MoE kernel does), its matmuls on the cube cores beside its vector work.
     Executed, it is an ordinary `jax.jit` of `fn` (inlined into the caller's
     program). Usable as `@fused` or `fused(fn, name="attention")`."""
-    from ._step_graph import FUSED_PREFIX
-
     def wrap(f):
         def kernel(*args, **kwargs):
             return f(*args, **kwargs)
@@ -168,8 +167,6 @@ def abstract_mesh(shape, axis_names, *, spec="cloudmatrix384"):
     """A mesh of emulated NPUs that needs no host devices (jax.sharding.AbstractMesh,
     Auto axes): for `jax.shard_map` in programs that are traced and simulated only,
     up to the preset's rank count."""
-    from .emulator import preset
-
     sp = preset(spec)
     shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     axis_names = tuple(axis_names) if isinstance(axis_names, (tuple, list)) else (axis_names,)
@@ -228,8 +225,6 @@ def simulate(fn, *args, spec="cloudmatrix384", mode: str = "strata", **settings)
     model takes (planner, cores_per_npu, sdma_engines_per_npu,
     comm_buffer_bytes); default: those in force.
     """
-    from .emulator import preset
-
     sp = preset(spec)
     if mode not in _model.MODES:
         raise ValueError(f"strata.emulator.simulate: mode must be one of {_model.MODES}, got {mode!r}")

@@ -1,0 +1,637 @@
+// Unit tests of the collectives' plans (algorithms/ + runtime/plan.cc), against
+// closed forms: every op of the registry over group sizes 1 to 384, block
+// sizes from one element to past a host chunk, 1 to 48 lanes, both planners.
+// For each plan:
+//   - its transfers say what the op means: every output block is written by
+//     exactly one transfer, from exactly the input blocks the op defines
+//     (a reduction folds each input once, in rank order);
+//   - its pieces cover every transfer's columns exactly once, cut on whole
+//     elements, each run by one of the transfer's destination ranks;
+//   - the bytes read from and written to each rank's buffers are the op's
+//     minimum (each input byte read once, each output byte written once), and
+//     the lane tasks' byte counts add up to them; with blocks that split
+//     evenly, every rank executes the same share;
+//   - a copy-only plan's host moves write every output byte exactly once,
+//     from the right source.
+// ragged_all_to_all's plans, built from random offset/size vectors (any index
+// type, several slices per peer, empty slices, gaps), are checked alike: every
+// output row is written once, from the sender row the vectors name; each
+// rank's bytes read and written are its send and receive sizes' sums; the
+// lanes and moves cover every transfer's span once. Bad vectors are errors.
+// Run by tests/test_cpp_plans.py (which builds it); exits non-zero on any
+// failure, naming the plan.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../../xla_ffi/algorithms/op_registry.h"
+#include "../../xla_ffi/algorithms/ragged_all_to_all.h"
+#include "../../xla_ffi/runtime/collective.h"
+#include "../../xla_ffi/runtime/plan.h"
+
+namespace strata {
+namespace {
+
+int64_t g_checks = 0, g_failures = 0;
+std::string g_context;  // the plan being checked, for messages
+
+#define CHECK(cond, ...)                                                              \
+  do {                                                                                \
+    ++g_checks;                                                                       \
+    if (!(cond)) {                                                                    \
+      if (++g_failures <= 50) {                                                       \
+        std::ostringstream why;                                                       \
+        why << __VA_ARGS__;                                                           \
+        std::fprintf(stderr, "FAIL %s:%d: %s [%s] %s\n", __FILE__, __LINE__, #cond,   \
+                     g_context.c_str(), why.str().c_str());                            \
+      }                                                                               \
+    }                                                                                 \
+  } while (0)
+
+using Ref = std::pair<int32_t, int32_t>;  // (rank, block)
+
+// One plan to build: the op and how it is laid out and split.
+struct Case {
+  const CollectiveDef* def;
+  int n;
+  DType dtype;
+  int64_t block_bytes;
+  int lanes;
+  Planner planner;
+  int root = 0;
+  std::vector<int32_t> perm;  // ppermute: flattened (source, destination) pairs
+};
+
+std::string Describe(const Case& c) {
+  std::ostringstream os;
+  os << c.def->name << " n=" << c.n << " dtype=" << DTypeName(c.dtype) << " block_bytes=" << c.block_bytes
+     << " lanes=" << c.lanes << " planner=" << PlannerName(c.planner) << " root=" << c.root << " perm=[";
+  for (int32_t v : c.perm) os << v << ',';
+  return os.str() + "]";
+}
+
+bool Reduces(const CollectiveDef& def) {
+  return def.kind == OpKind::kAllReduce || def.kind == OpKind::kReduceScatter;
+}
+
+OpParams ParamsOf(const Case& c, int64_t rows = 1) {
+  const int reduce_op = static_cast<int>(Reduces(*c.def) ? ReduceOp::kSum : ReduceOp::kNone);
+  return MakeOpParams(*c.def, static_cast<int>(c.dtype), reduce_op, c.root, c.perm, c.n, c.block_bytes, rows,
+                      static_cast<int>(Mode::kStrata), c.lanes, c.lanes, static_cast<int>(c.planner),
+                      200 << 20);
+}
+
+// The input blocks output block `out` of a rank is made of, in fold order
+// (empty: zero-filled), from the op's definition.
+std::vector<Ref> ExpectedSources(const Case& c, Ref out) {
+  const auto [rank, block] = out;
+  std::vector<Ref> srcs;
+  switch (c.def->kind) {
+    case OpKind::kAllReduce:
+      for (int s = 0; s < c.n; ++s) srcs.push_back({s, 0});
+      break;
+    case OpKind::kAllGather: srcs.push_back({block, 0}); break;
+    case OpKind::kReduceScatter:
+      for (int s = 0; s < c.n; ++s) srcs.push_back({s, rank});
+      break;
+    case OpKind::kAllToAll: srcs.push_back({block, rank}); break;
+    case OpKind::kBroadcast: srcs.push_back({c.root, 0}); break;
+    case OpKind::kPermute:
+      for (size_t i = 0; i + 1 < c.perm.size(); i += 2)
+        if (c.perm[i + 1] == rank) srcs.push_back({c.perm[i], 0});
+      break;
+  }
+  return srcs;
+}
+
+// Bytes the op must read from and write to rank r's buffers: each input byte
+// that feeds some output read once, each output byte written once.
+std::pair<int64_t, int64_t> MinimalTraffic(const Case& c, int r) {
+  const int64_t b = c.block_bytes, in = c.def->InBlocks(c.n), out = c.def->OutBlocks(c.n);
+  switch (c.def->kind) {
+    case OpKind::kBroadcast: return {r == c.root ? b : 0, b};
+    case OpKind::kPermute: {
+      int64_t sent = 0;
+      for (size_t i = 0; i + 1 < c.perm.size(); i += 2) sent += c.perm[i] == r;
+      return {sent * b, b};
+    }
+    default: return {in * b, out * b};
+  }
+}
+
+// [begin, end) intervals cover [0, total) exactly once.
+bool TilesExactly(std::vector<std::pair<int64_t, int64_t>> spans, int64_t total) {
+  std::sort(spans.begin(), spans.end());
+  int64_t at = 0;
+  for (const auto& [b, e] : spans) {
+    if (b != at || e <= b) return false;
+    at = e;
+  }
+  return at == total;
+}
+
+void CheckPlan(const Case& c) {
+  g_context = Describe(c);
+  const OpParams p = ParamsOf(c);
+  const Plan plan = BuildPartitionedPlan(p);
+  const int n = c.n;
+  const int64_t B = c.block_bytes, esize = static_cast<int64_t>(DTypeSize(c.dtype));
+  const int64_t in_blocks = c.def->InBlocks(n), out_blocks = c.def->OutBlocks(n);
+
+  CHECK(plan.num_ranks == n && plan.in_blocks == in_blocks && plan.out_blocks == out_blocks &&
+            plan.block_bytes == B,
+        "layout " << plan.num_ranks << " ranks, " << plan.in_blocks << " -> " << plan.out_blocks << " blocks");
+  CHECK(plan.is_reduction() == Reduces(*c.def), "reduction flag");
+  CHECK(!(plan.is_reduction() && plan.on_sdma), "a reduction was put on the SDMA engines");
+
+  // What the transfers mean.
+  std::map<Ref, std::vector<uint32_t>> writers;  // output block -> transfers writing it
+  for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti) {
+    const Transfer& t = plan.transfers[ti];
+    CHECK(plan.is_reduction() || t.src_count <= 1, "transfer " << ti << " copies from " << t.src_count << " sources");
+    for (uint32_t k = 0; k < t.src_count; ++k) {
+      const BlockRef& s = plan.refs[t.src_begin + k];
+      CHECK(s.rank >= 0 && s.rank < n && s.block >= 0 && s.block < in_blocks,
+            "transfer " << ti << " reads block " << s.block << " of rank " << s.rank);
+    }
+    for (uint32_t k = 0; k < t.dst_count; ++k) {
+      const BlockRef& d = plan.refs[t.dst_begin + k];
+      CHECK(d.rank >= 0 && d.rank < n && d.block >= 0 && d.block < out_blocks,
+            "transfer " << ti << " writes block " << d.block << " of rank " << d.rank);
+      writers[{d.rank, d.block}].push_back(ti);
+    }
+  }
+  for (int r = 0; r < n; ++r)
+    for (int b = 0; b < out_blocks; ++b) {
+      const auto it = writers.find({r, b});
+      const size_t count = it == writers.end() ? 0 : it->second.size();
+      CHECK(count == 1, "output block " << b << " of rank " << r << " is written by " << count << " transfers");
+      if (count != 1) continue;
+      const Transfer& t = plan.transfers[it->second[0]];
+      std::vector<Ref> got;
+      for (uint32_t k = 0; k < t.src_count; ++k)
+        got.push_back({plan.refs[t.src_begin + k].rank, plan.refs[t.src_begin + k].block});
+      // The exact list: a reduction folds every input once, in rank order (every rank gets the same bits).
+      CHECK(got == ExpectedSources(c, {r, b}), "output block " << b << " of rank " << r << " has the wrong sources");
+    }
+  CHECK(writers.size() == static_cast<size_t>(n * out_blocks), "transfers write blocks outside the outputs");
+
+  // The pieces: every transfer's columns once, on whole elements, by a destination rank.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> columns(plan.transfers.size());
+  std::vector<int64_t> read_from(n, 0), written_to(n, 0), executed(n, 0);
+  uint32_t next_piece = 0;
+  std::map<std::pair<int32_t, int32_t>, int> lanes_seen;
+  int64_t task_total = 0;
+  for (const LaneTask& task : plan.tasks) {
+    CHECK(task.piece_begin == next_piece && task.piece_end > task.piece_begin,
+          "lane tasks do not take the pieces in order, each at least one");
+    next_piece = task.piece_end;
+    CHECK(task.npu >= 0 && task.npu < n && task.lane >= 0 && task.lane < plan.lanes_per_npu,
+          "task on NPU " << task.npu << " lane " << task.lane);
+    const int tasks_on_lane = ++lanes_seen[std::make_pair(task.npu, task.lane)];
+    CHECK(tasks_on_lane == 1, "two tasks for lane " << task.lane << " of NPU " << task.npu);
+    int64_t bytes = 0;
+    for (uint32_t i = task.piece_begin; i < task.piece_end && i < plan.pieces.size(); ++i) {
+      const Piece& piece = plan.pieces[i];
+      const Transfer& t = plan.transfers[piece.transfer];
+      const int64_t len = piece.col_end - piece.col_begin;
+      CHECK(piece.executor == task.npu, "piece " << i << " runs on NPU " << piece.executor << " in a task of NPU " << task.npu);
+      CHECK(piece.col_begin % esize == 0 && piece.col_end % esize == 0,
+            "piece " << i << " cuts an element: [" << piece.col_begin << ", " << piece.col_end << ")");
+      bool by_destination = false;
+      for (uint32_t k = 0; k < t.dst_count; ++k) by_destination |= plan.refs[t.dst_begin + k].rank == piece.executor;
+      CHECK(by_destination, "piece " << i << " of transfer " << piece.transfer << " runs on NPU " << piece.executor
+                                     << ", not one of the ranks it writes");
+      columns[piece.transfer].push_back({piece.col_begin, piece.col_end});
+      for (uint32_t k = 0; k < t.src_count; ++k) read_from[plan.refs[t.src_begin + k].rank] += len;
+      for (uint32_t k = 0; k < t.dst_count; ++k) written_to[plan.refs[t.dst_begin + k].rank] += len;
+      bytes += len * (t.src_count + t.dst_count);
+    }
+    CHECK(task.bytes == bytes, "task of NPU " << task.npu << " lane " << task.lane << " counts " << task.bytes
+                                              << " bytes, its pieces move " << bytes);
+    executed[task.npu] += bytes;
+    task_total += bytes;
+  }
+  CHECK(next_piece == plan.pieces.size(), "pieces outside every lane task");
+  for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti)
+    CHECK(TilesExactly(columns[ti], plan.transfers[ti].dst_count > 0 ? B : 0),
+          "transfer " << ti << "'s pieces do not cover its " << B << " columns exactly once");
+
+  // Traffic per rank's buffers: the op's minimum.
+  int64_t minimal_total = 0;
+  for (int r = 0; r < n; ++r) {
+    const auto [reads, writes] = MinimalTraffic(c, r);
+    CHECK(read_from[r] == reads, "rank " << r << "'s input is read " << read_from[r] << " bytes, the op needs " << reads);
+    CHECK(written_to[r] == writes, "rank " << r << "'s output is written " << written_to[r] << " bytes, not " << writes);
+    minimal_total += reads + writes;
+  }
+  CHECK(task_total == minimal_total, "lane tasks move " << task_total << " bytes, the op " << minimal_total);
+  // Blocks that split into whole aligned shares of at least 4 KiB per rank
+  // (plan.cc's minimum share): every rank executes the same bytes.
+  const bool even_shares = B % (64 * n) == 0 && B / n >= 4096;
+  const bool symmetric = c.def->kind != OpKind::kPermute && c.def->kind != OpKind::kBroadcast;
+  if (even_shares && symmetric)
+    for (int r = 0; r < n; ++r)
+      CHECK(executed[r] * n == minimal_total, "rank " << r << " executes " << executed[r] << " of " << minimal_total << " bytes");
+
+  // Host chunks run the tasks in order, all of them.
+  CHECK(!plan.chunk_starts.empty() && plan.chunk_starts.front() == 0 && plan.chunk_starts.back() == plan.tasks.size() &&
+            std::is_sorted(plan.chunk_starts.begin(), plan.chunk_starts.end()),
+        "host chunks do not split the tasks in order");
+
+  // The host's moves of a copy-only plan: every output byte once, from its source.
+  if (!plan.moves.empty()) {
+    CHECK(plan.move_starts.size() == plan.chunk_starts.size() && plan.move_starts.back() == plan.moves.size(),
+          "moves are not split over the host chunks");
+    std::map<Ref, std::vector<std::pair<int64_t, int64_t>>> written;
+    for (const Move& m : plan.moves)
+      for (int32_t k = 0; k < m.count; ++k) {
+        const Ref src{m.src_rank + k * m.src_rank_step, m.src_block + k * m.src_block_step};
+        const Ref dst{m.dst_rank + k * m.dst_rank_step, m.dst_block + k * m.dst_block_step};
+        const std::vector<Ref> want = ExpectedSources(c, dst);
+        CHECK(want.size() == 1 && want[0] == src, "a move copies block " << src.second << " of rank " << src.first
+                                                      << " to block " << dst.second << " of rank " << dst.first);
+        written[dst].push_back({m.col, m.col + m.len});
+      }
+    for (auto& [dst, spans] : written)
+      CHECK(TilesExactly(spans, B), "the moves do not write block " << dst.second << " of rank " << dst.first
+                                                                   << " exactly once");
+    int64_t sourced_blocks = 0;
+    for (int r = 0; r < n; ++r)
+      for (int b = 0; b < out_blocks; ++b) sourced_blocks += !ExpectedSources(c, {r, b}).empty();
+    CHECK(static_cast<int64_t>(written.size()) == sourced_blocks, "the moves write " << written.size()
+                                                                                      << " blocks, the op " << sourced_blocks);
+  }
+}
+
+// One plan serves every batch size: rows change no transfer, piece or task.
+void CheckRowsIndependent(const Case& c) {
+  g_context = Describe(c) + " rows 1 vs 7";
+  OpParams one = ParamsOf(c, 1), seven = ParamsOf(c, 7);
+  one.movement_lanes = seven.movement_lanes = 0;  // rows may tip the SDMA rule; compare on cores
+  const Plan a = BuildPartitionedPlan(one), b = BuildPartitionedPlan(seven);
+  bool same = a.transfers.size() == b.transfers.size() && a.pieces.size() == b.pieces.size() &&
+              a.tasks.size() == b.tasks.size();
+  for (size_t i = 0; same && i < a.pieces.size(); ++i)
+    same = a.pieces[i].transfer == b.pieces[i].transfer && a.pieces[i].col_begin == b.pieces[i].col_begin &&
+           a.pieces[i].col_end == b.pieces[i].col_end && a.pieces[i].executor == b.pieces[i].executor;
+  CHECK(same, "the plan depends on rows");
+}
+
+// buffer_centric's rounds: the window's columns of every block fit the comm buffer.
+void CheckCommWindow(const Case& c) {
+  for (int64_t buffer : {int64_t{1} << 10, int64_t{1} << 20, int64_t{200} << 20}) {
+    for (int64_t rows : {1, 3}) {
+      g_context = Describe(c) + " comm_buffer_bytes=" + std::to_string(buffer) + " rows=" + std::to_string(rows);
+      OpParams p = ParamsOf(c, rows);
+      p.comm_buffer_bytes = buffer;
+      const int64_t window = CommWindowBytes(p), blocks = std::max(p.in_blocks, p.out_blocks);
+      const int64_t esize = static_cast<int64_t>(DTypeSize(c.dtype));
+      if (window <= 0) {
+        CHECK(buffer < rows * blocks * esize, "no window although one element of every block fits");
+        continue;
+      }
+      CHECK(window * rows * blocks <= buffer, "window " << window << " overflows the buffer");
+      CHECK(window % esize == 0, "window " << window << " cuts an element");
+      CHECK(window >= std::min<int64_t>(64, buffer / (rows * blocks) / esize * esize),
+            "window " << window << " smaller than the buffer allows");
+    }
+  }
+}
+
+void CheckRegistry() {
+  g_context = "registry";
+  const auto& defs = Collectives();
+  CHECK(static_cast<int32_t>(defs.size()) == kOpKindCount, defs.size() << " entries for " << kOpKindCount << " kinds");
+  for (size_t i = 0; i < defs.size(); ++i) {
+    const CollectiveDef& def = defs[i];
+    g_context = std::string("registry ") + def.name;
+    CHECK(static_cast<size_t>(def.kind) == i && def.builder.code == static_cast<int32_t>(i),
+          "entry " << i << " has kind " << static_cast<int>(def.kind) << ", code " << def.builder.code);
+    CHECK(std::string(def.builder.name) == std::string("strata.") + def.name, "runtime name " << def.builder.name);
+    CHECK(def.builder.add_transfers != nullptr, "no transfers");
+    CHECK(FindCollective(def.name) == &def && FindCollective(def.builder.code) == &def, "lookup");
+    for (int n : {1, 2, 3, 8, 384}) {
+      // nccl-tests' busbw / algbw: all_reduce moves 2(n-1)/n of the message over a rank's links,
+      // the per-peer ops (n-1)/n, broadcast and ppermute the message.
+      const double want = def.kind == OpKind::kAllReduce ? 2.0 * (n - 1) / n
+                          : def.in_blocks == Blocks::kPerRank || def.out_blocks == Blocks::kPerRank
+                              ? static_cast<double>(n - 1) / n
+                              : 1.0;
+      CHECK(def.bus_factor(n) == want, "bus factor " << def.bus_factor(n) << " at n=" << n);
+    }
+  }
+  CHECK(FindCollective(kOpKindCount) == nullptr && FindCollective(-1) == nullptr && FindCollective("psum") == nullptr,
+        "lookup of an unknown op");
+}
+
+// Permutations of n ranks lax.ppermute accepts: a ring, its reverse, a
+// partial one (ranks that receive nothing get zeros), none, the identity.
+std::vector<std::vector<int32_t>> Permutations(int n) {
+  std::vector<std::vector<int32_t>> perms(5);
+  for (int i = 0; i < n; ++i) {
+    perms[0].insert(perms[0].end(), {i, (i + 1) % n});
+    perms[1].insert(perms[1].end(), {i, (i + n - 1) % n});
+    if (i % 2 == 0) perms[2].insert(perms[2].end(), {i, n - 1 - i});
+    perms[4].insert(perms[4].end(), {i, i});
+  }
+  return perms;
+}
+
+// Byte ranges [begin, end) that do not overlap and add up to `total`.
+bool DisjointWithTotal(std::vector<std::pair<int64_t, int64_t>> spans, int64_t total) {
+  std::sort(spans.begin(), spans.end());
+  int64_t at = 0, sum = 0;
+  for (const auto& [b, e] : spans) {
+    if (b < at || e <= b) return false;
+    at = e;
+    sum += e - b;
+  }
+  return sum == total;
+}
+
+// One random ragged exchange: each rank's four vectors as int64, and where
+// each receiver's rows come from (-1: nobody writes it).
+struct RaggedCase {
+  int n, k;
+  int64_t in_rows, out_rows;
+  std::vector<std::vector<int64_t>> input_offsets, send_sizes, output_offsets, recv_sizes;  // [rank][entry]
+  std::vector<std::vector<Ref>> source;  // [rank][output row] -> (sender, operand row)
+};
+
+RaggedCase MakeRaggedCase(std::mt19937_64& rng, int n, int k, int64_t in_rows, int64_t max_size) {
+  RaggedCase c{n, k, in_rows, 0, {}, {}, {}, {}, {}};
+  auto uniform = [&rng](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  const int entries = n * k;
+  c.send_sizes.assign(n, std::vector<int64_t>(entries));
+  c.input_offsets = c.output_offsets = c.recv_sizes = c.send_sizes;
+  for (int s = 0; s < n; ++s)
+    for (int i = 0; i < entries; ++i) {
+      const int64_t size = uniform(0, 3) == 0 ? 0 : uniform(0, max_size);  // plenty of empty slices
+      c.send_sizes[s][i] = size;
+      c.input_offsets[s][i] = uniform(0, in_rows - size);  // reads may overlap
+      c.recv_sizes[i / k][s * k + i % k] = size;
+    }
+  // Each receiver lays its slices out in sender order with random gaps.
+  std::vector<int64_t> cursor(n, 0);
+  for (int s = 0; s < n; ++s)
+    for (int i = 0; i < entries; ++i) {
+      const int d = i / k;
+      cursor[d] += uniform(0, 2);
+      c.output_offsets[s][i] = cursor[d];
+      cursor[d] += c.send_sizes[s][i];
+    }
+  c.out_rows = *std::max_element(cursor.begin(), cursor.end()) + uniform(1, 3);
+  c.source.assign(n, std::vector<Ref>(c.out_rows, Ref{-1, -1}));
+  for (int s = 0; s < n; ++s)
+    for (int i = 0; i < entries; ++i)
+      for (int64_t j = 0; j < c.send_sizes[s][i]; ++j)
+        c.source[i / k][c.output_offsets[s][i] + j] = {s, static_cast<int32_t>(c.input_offsets[s][i] + j)};
+  return c;
+}
+
+// The case's vectors in `type`, as a rank publishes them.
+struct PublishedVectors {
+  std::vector<std::vector<int64_t>> s64;
+  std::vector<std::vector<int32_t>> s32;
+  std::vector<RaggedVectors> ranks;
+};
+
+PublishedVectors Publish(const RaggedCase& c, IndexType type) {
+  PublishedVectors v;
+  v.ranks.resize(c.n);
+  const std::vector<int64_t>* per_vector[4] = {nullptr};
+  for (int r = 0; r < c.n; ++r) {
+    per_vector[0] = &c.input_offsets[r], per_vector[1] = &c.send_sizes[r];
+    per_vector[2] = &c.output_offsets[r], per_vector[3] = &c.recv_sizes[r];
+    for (int j = 0; j < 4; ++j) {
+      if (type == IndexType::S64) v.s64.push_back(*per_vector[j]);
+      else v.s32.emplace_back(per_vector[j]->begin(), per_vector[j]->end());
+    }
+  }
+  // Pointers once the vectors no longer move.
+  for (int r = 0; r < c.n; ++r)
+    for (int j = 0; j < 4; ++j)
+      v.ranks[r][j] = type == IndexType::S64 ? static_cast<const void*>(v.s64[r * 4 + j].data())
+                                             : static_cast<const void*>(v.s32[r * 4 + j].data());
+  return v;
+}
+
+RaggedParams RaggedParamsOf(const RaggedCase& c, IndexType type, int64_t row_bytes, DType dtype) {
+  RaggedParams p;
+  p.group_size = c.n;
+  p.slices_per_peer = c.k;
+  p.operand_rows = c.in_rows;
+  p.output_rows = c.out_rows;
+  p.row_bytes = row_bytes;
+  p.dtype = dtype;
+  for (IndexType& t : p.index_types) t = type;
+  return p;
+}
+
+void CheckRaggedPlan(const RaggedCase& c, IndexType type, int64_t row_bytes, DType dtype, int lanes, Planner planner) {
+  std::ostringstream name;
+  name << "ragged_all_to_all n=" << c.n << " k=" << c.k << " rows " << c.in_rows << " -> " << c.out_rows
+       << " row_bytes=" << row_bytes << " index_type=" << static_cast<int>(type) << " lanes=" << lanes
+       << " planner=" << PlannerName(planner);
+  g_context = name.str();
+  const PublishedVectors published = Publish(c, type);
+  Plan plan;
+  const Status st = BuildRaggedPlan(RaggedParamsOf(c, type, row_bytes, dtype), published.ranks, &plan);
+  CHECK(st.ok, "refused: " << st.message);
+  if (!st.ok) return;
+  Partition(plan, lanes, planner);
+  const int64_t B = row_bytes;
+  CHECK(plan.num_ranks == c.n && plan.in_blocks == c.in_rows && plan.out_blocks == c.out_rows && plan.block_bytes == B &&
+            !plan.is_reduction(),
+        "layout");
+
+  // Transfers: each output row once, from the sender row the vectors name.
+  std::vector<std::vector<int>> writes(c.n, std::vector<int>(c.out_rows, 0));
+  for (const Transfer& t : plan.transfers) {
+    CHECK(t.src_count == 1 && t.dst_count == 1 && t.span >= 1, "a transfer is not one run of rows");
+    if (t.src_count != 1 || t.dst_count != 1) continue;
+    const BlockRef& s = plan.refs[t.src_begin];
+    const BlockRef& d = plan.refs[t.dst_begin];
+    for (uint32_t j = 0; j < t.span; ++j) {
+      const int64_t row = d.block + static_cast<int64_t>(j);
+      CHECK(d.rank >= 0 && d.rank < c.n && row < c.out_rows, "writes row " << row << " of rank " << d.rank);
+      if (d.rank < 0 || d.rank >= c.n || row >= c.out_rows) continue;
+      ++writes[d.rank][row];
+      CHECK(c.source[d.rank][row] == Ref(s.rank, s.block + static_cast<int32_t>(j)),
+            "row " << row << " of rank " << d.rank << " comes from row " << s.block + j << " of rank " << s.rank);
+    }
+  }
+  for (int r = 0; r < c.n; ++r)
+    for (int64_t row = 0; row < c.out_rows; ++row)
+      CHECK(writes[r][row] == (c.source[r][row].first >= 0 ? 1 : 0),
+            "row " << row << " of rank " << r << " is written " << writes[r][row] << " times");
+
+  // Lanes: every transfer's span once; each rank's bytes are its sizes' sums.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> columns(plan.transfers.size());
+  std::vector<int64_t> read_from(c.n, 0), written_to(c.n, 0);
+  int64_t task_total = 0;
+  for (const LaneTask& task : plan.tasks) {
+    int64_t bytes = 0;
+    CHECK(task.lane >= 0 && task.lane < lanes, "lane " << task.lane);
+    for (uint32_t i = task.piece_begin; i < task.piece_end; ++i) {
+      const Piece& piece = plan.pieces[i];
+      const Transfer& t = plan.transfers[piece.transfer];
+      const int64_t len = piece.col_end - piece.col_begin;
+      CHECK(piece.executor == task.npu && plan.refs[t.dst_begin].rank == piece.executor,
+            "piece " << i << " does not run on the rank it writes");
+      CHECK(piece.col_begin % DTypeSize(dtype) == 0 && piece.col_end % DTypeSize(dtype) == 0, "piece cuts an element");
+      columns[piece.transfer].push_back({piece.col_begin, piece.col_end});
+      read_from[plan.refs[t.src_begin].rank] += len;
+      written_to[plan.refs[t.dst_begin].rank] += len;
+      bytes += 2 * len;
+    }
+    CHECK(task.bytes == bytes, "task counts " << task.bytes << " bytes, its pieces move " << bytes);
+    task_total += bytes;
+  }
+  int64_t rows_moved = 0;
+  for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti)
+    CHECK(TilesExactly(columns[ti], plan.Columns(plan.transfers[ti])),
+          "transfer " << ti << "'s pieces do not cover its " << plan.Columns(plan.transfers[ti]) << " columns once");
+  for (int r = 0; r < c.n; ++r) {
+    int64_t sent = 0, received = 0;
+    for (int i = 0; i < c.n * c.k; ++i) sent += c.send_sizes[r][i], received += c.recv_sizes[r][i];
+    CHECK(read_from[r] == sent * B, "rank " << r << " is read " << read_from[r] << " bytes, sends " << sent * B);
+    CHECK(written_to[r] == received * B, "rank " << r << " is written " << written_to[r] << " bytes, receives " << received * B);
+    rows_moved += sent;
+  }
+  CHECK(task_total == 2 * rows_moved * B, "lane tasks move " << task_total << " bytes, the exchange " << 2 * rows_moved * B);
+
+  // The host's moves: every written byte once, from the right sender row.
+  if (plan.transfers.empty()) return;
+  CHECK(!plan.moves.empty() && plan.move_starts.size() == plan.chunk_starts.size() &&
+            plan.move_starts.back() == plan.moves.size(),
+        "a copy-only plan without moves split over its host chunks");
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> written(c.n);  // bytes of each rank's output
+  for (const Move& m : plan.moves)
+    for (int32_t k = 0; k < m.count; ++k) {
+      const int32_t sr = m.src_rank + k * m.src_rank_step, dr = m.dst_rank + k * m.dst_rank_step;
+      const int64_t src_at = (m.src_block + k * m.src_block_step) * B + m.col;
+      const int64_t dst_at = (m.dst_block + k * m.dst_block_step) * B + m.col;
+      CHECK(dst_at >= 0 && dst_at + m.len <= c.out_rows * B && src_at >= 0 && src_at + m.len <= c.in_rows * B,
+            "a move runs outside the buffers");
+      if (dst_at < 0 || dst_at + m.len > c.out_rows * B) continue;
+      written[dr].push_back({dst_at, dst_at + m.len});
+      CHECK(src_at % B == dst_at % B, "a move shifts bytes within a row");
+      for (int64_t row = dst_at / B; row * B < dst_at + m.len; ++row)
+        CHECK(c.source[dr][row] == Ref(sr, static_cast<int32_t>(row + (src_at - dst_at) / B)),
+              "a move writes row " << row << " of rank " << dr << " from rank " << sr);
+    }
+  for (int r = 0; r < c.n; ++r) {
+    int64_t received = 0;
+    for (int i = 0; i < c.n * c.k; ++i) received += c.recv_sizes[r][i];
+    CHECK(DisjointWithTotal(written[r], received * B), "the moves do not write rank " << r << "'s received rows once");
+  }
+}
+
+// Vectors that disagree or leave the buffers are refused, naming the rank.
+void CheckRaggedErrors(std::mt19937_64& rng) {
+  g_context = "ragged_all_to_all errors";
+  RaggedCase c = MakeRaggedCase(rng, 4, 1, 9, 3);
+  auto refused = [&](const RaggedCase& bad, const std::string& want) {
+    const PublishedVectors published = Publish(bad, IndexType::S64);
+    Plan plan;
+    const Status st = BuildRaggedPlan(RaggedParamsOf(bad, IndexType::S64, 8, DType::F32), published.ranks, &plan);
+    CHECK(!st.ok && st.message.find(want) != std::string::npos, "message \"" << st.message << "\" lacks \"" << want << "\"");
+  };
+  RaggedCase bad = c;
+  bad.recv_sizes[3][1] += 1;
+  refused(bad, "strata.ragged_all_to_all: rank 1 sends send_sizes[3]=");
+  bad = c;
+  bad.send_sizes[2][0] = bad.recv_sizes[0][2] = -1;
+  refused(bad, "rank 2 sends a negative size send_sizes[0]=-1");
+  bad = c;
+  bad.send_sizes[2][1] = bad.recv_sizes[1][2] = 1;
+  bad.input_offsets[2][1] = 9;
+  refused(bad, "rank 2: input_offsets[1]=9 + send_sizes[1]=1 is outside its operand's 9 rows");
+  bad = c;
+  bad.send_sizes[0][3] = bad.recv_sizes[3][0] = 2;
+  bad.output_offsets[0][3] = bad.out_rows - 1;
+  refused(bad, "is outside rank 3's output of");
+}
+
+void CheckRaggedPlans(int64_t* plans) {
+  std::mt19937_64 rng(28);
+  CheckRaggedErrors(rng);
+  for (int n : {1, 2, 3, 8})
+    for (int k : {1, 2})
+      for (IndexType type : {IndexType::S32, IndexType::S64}) {
+        const RaggedCase c = MakeRaggedCase(rng, n, k, 40, 9);
+        for (const auto& [row_bytes, dtype] : std::vector<std::pair<int64_t, DType>>{
+                 {4, DType::F32}, {12, DType::F32}, {14336, DType::BF16}, {4112, DType::C128}})
+          for (int lanes : {1, 3, 48})
+            for (Planner planner : {Planner::kBalanced, Planner::kNaive}) {
+              CheckRaggedPlan(c, type, row_bytes, dtype, lanes, planner);
+              ++*plans;
+            }
+      }
+  // Past one host chunk per rank: 8 ranks, 512 rows of 7 KiB each.
+  const RaggedCase big = MakeRaggedCase(rng, 8, 1, 512, 64);
+  CheckRaggedPlan(big, IndexType::S32, 7168, DType::BF16, 48, Planner::kBalanced);
+  ++*plans;
+}
+
+}  // namespace
+}  // namespace strata
+
+int main() {
+  using namespace strata;
+  CheckRegistry();
+  int64_t plans = 0;
+  struct Sizes {
+    DType dtype;
+    std::vector<int64_t> block_bytes;
+  };
+  // One element, odd sizes, 4 KiB shares, sizes that split over 8 ranks'
+  // 64-byte columns, and past one host chunk (1 MiB).
+  const std::vector<Sizes> sizes = {
+      {DType::F32, {0, 4, 100, 4096, 12352, 65536, (1 << 20) + 192}},
+      {DType::BF16, {2, 130, 32768}},
+      {DType::C128, {16, 4112}},
+  };
+  for (const CollectiveDef& def : Collectives())
+    for (int n : {1, 2, 3, 5, 8, 13})
+      for (const Sizes& s : sizes)
+        for (int64_t block_bytes : s.block_bytes)
+          for (int lanes : {1, 3, 48})
+            for (Planner planner : {Planner::kBalanced, Planner::kNaive}) {
+              Case c{&def, n, s.dtype, block_bytes, lanes, planner, 0, {}};
+              std::vector<std::vector<int32_t>> perms = {{}};
+              if (def.kind == OpKind::kPermute) perms = Permutations(n);
+              for (int root : def.kind == OpKind::kBroadcast ? std::vector<int>{0, n - 1} : std::vector<int>{0})
+                for (const auto& perm : perms) {
+                  c.root = root;
+                  c.perm = perm;
+                  CheckPlan(c);
+                  ++plans;
+                }
+              if (lanes == 3 && planner == Planner::kBalanced) {
+                CheckRowsIndependent(c);
+                CheckCommWindow(c);
+              }
+            }
+  // A supernode's group: many tiny transfers (all_to_all of one float per peer: 147k).
+  for (const CollectiveDef& def : Collectives())
+    for (int64_t block_bytes : {4, 4096 * 384}) {
+      if (block_bytes > 4 && def.OutBlocks(384) * def.InBlocks(384) > 1) continue;  // keep it quick
+      Case c{&def, 384, DType::F32, block_bytes, 48, Planner::kBalanced, 0, {}};
+      if (def.kind == OpKind::kPermute) c.perm = Permutations(384)[0];
+      CheckPlan(c);
+      ++plans;
+    }
+  CheckRaggedPlans(&plans);
+  std::printf("test_plans: %lld plans, %lld checks, %lld failures\n", static_cast<long long>(plans),
+              static_cast<long long>(g_checks), static_cast<long long>(g_failures));
+  return g_failures == 0 ? 0 : 1;
+}

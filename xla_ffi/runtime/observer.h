@@ -1,0 +1,61 @@
+// Who hears of every op a rank runs: the runtime reports each op's start and
+// end to the installed observer, if any. Tracing implements it
+// (model/trace_log.h) and the bindings install it, so the runtime reports
+// without depending on the layer that listens. With none installed (the
+// default) an op pays one atomic load.
+#pragma once
+#include <cstdint>
+#include <functional>
+
+#include "collective.h"
+#include "dtypes.h"
+#include "rendezvous.h"
+#include "status.h"
+
+namespace strata {
+
+// What the observed op is. The values are the trace records' "kind".
+enum class ObservedOp : int32_t { kCollective = 0, kMoeDispatch = 1, kMoeCombine = 2, kMoeCombineBackward = 3 };
+
+// An MoE op's shape as every rank of its group agrees on it (the fields of
+// algorithms/moe.h's MoeParams, which extends it with the op's rendezvous
+// signature): what an observer needs to time the op again.
+struct MoeOpShape {
+  int32_t group_size = 1;
+  int32_t num_experts = 1;
+  int64_t capacity = 0;
+  int64_t tokens = 0, topk = 0, hidden = 0;  // per rank
+  DType dtype = DType::F32;                   // token / expert rows
+  int32_t cores = 1, engines = 1;
+  // kBufferCentric: the vendor-library baseline. Rows peers read are first
+  // copied into this rank's communication buffer, results are written to one
+  // and copied out (each at most comm_buffer_bytes).
+  Mode mode = Mode::kStrata;
+  int64_t comm_buffer_bytes = 200 << 20;
+
+  int64_t local_experts() const { return num_experts / group_size; }
+  int64_t row_bytes() const { return hidden * static_cast<int64_t>(DTypeSize(dtype)); }
+};
+
+using OpDone = std::function<void(const Status&)>;
+
+class OpObserver {
+ public:
+  virtual ~OpObserver() = default;
+  // A rank arrives at a collective: returns `done` wrapped to hear of the
+  // op's end for this rank (the wrapper must call `done` exactly once).
+  virtual OpDone OnCollective(const OpParams& p, const CallSite& c, OpDone done) = 0;
+  // The same for an MoE op. `routing` (the rank's pair_slot, `routing_count`
+  // entries) is valid now, or only when the op has succeeded if
+  // `read_at_end` (an output the op fills).
+  virtual OpDone OnMoe(ObservedOp kind, const MoeOpShape& p, const CallSite& c, const int32_t* routing,
+                       int64_t routing_count, bool read_at_end, OpDone done) = 0;
+};
+
+// The installed observer, or nullptr.
+OpObserver* ActiveObserver();
+// Installs `observer` (nullptr: none); it must outlive every op that may
+// still report to it (in practice: never destroyed).
+void SetObserver(OpObserver* observer);
+
+}  // namespace strata

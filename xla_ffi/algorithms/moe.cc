@@ -175,8 +175,8 @@ struct TokenGroups {
   }
 };
 
-// Combine's partial of one group of a token's pairs (those on one rank, k
-// ascending, two or more): part = 0 + sum of w[k] * row of pair k, in the
+// Combine's partial of pairs [begin, end) of a token's group (pairs on one
+// rank, k ascending): part = 0 + sum of w[k] * row of pair k, in the
 // accumulation type. `rows`: the owning rank's expert rows.
 template <typename T, typename A>
 void SumGroup(DType dtype, A* part, int64_t h, const TokenGroups& groups, int32_t begin, int32_t end,
@@ -191,18 +191,20 @@ void SumGroup(DType dtype, A* part, int64_t h, const TokenGroups& groups, int32_
 // Direct mode's combine of one token group [begin, end) (its pairs on one
 // rank): acc += w * row for a group of one pair (its row crosses as it is
 // and is weighted on arrival), acc += the partial rounded to T for more
-// (summed on the owning rank; one row crosses). `part`: scratch of h.
+// (summed on the owning rank; one row crosses), its last pair added in the
+// pass that rounds it. `part`: scratch of h.
 template <typename T, typename A>
 void AddGroup(DType dtype, A* acc, A* part, int64_t h, const TokenGroups& groups, int32_t begin,
               int32_t end, const int32_t* token_slots, const A* token_w, const T* rows,
               int64_t slots_per_rank) {
+  const int32_t last_k = groups.pairs[end - 1].k;
+  const T* last_row = rows + (token_slots[last_k] % slots_per_rank) * h;
   if (end - begin == 1) {
-    const int32_t k = groups.pairs[begin].k;
-    AxpyRow(dtype, acc, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]), h);
+    AxpyRow(dtype, acc, last_row, static_cast<double>(token_w[last_k]), h);
     return;
   }
-  SumGroup<T, A>(dtype, part, h, groups, begin, end, token_slots, token_w, rows, slots_per_rank);
-  AddRoundedRow(dtype, acc, part, h);
+  SumGroup<T, A>(dtype, part, h, groups, begin, end - 1, token_slots, token_w, rows, slots_per_rank);
+  AxpyAddRoundedRow(dtype, acc, part, last_row, static_cast<double>(token_w[last_k]), h);
 }
 
 // Calls fn<T>() with T the element type of `dtype` (float dtypes only).
@@ -616,6 +618,10 @@ struct DispatchRank : RankState {
     int32_t expert;
     int64_t count = 0;
     int64_t next = 0;  // the next row of the expert this rank fills (set by the layout)
+    // Set by the placement phase: the expert's owning rank and its first
+    // row among the owner's slots (one division per expert, not per pair).
+    int32_t owner = 0;
+    int64_t first_row = 0;
   };
   std::vector<Entry> entries;  // in order of first use
 };
@@ -624,6 +630,14 @@ struct DispatchRank : RankState {
 struct DispatchLayout {
   std::vector<int64_t> total;  // [E]: pairs routed to each expert
   std::string error;           // the first rank's bad expert id, if any
+  // [N * slots per rank], by global slot, set for filled slots by the
+  // placement phase: -1 if the slot's pair leads its token on the owning
+  // rank (DeepEP's traffic rule: the token crosses into this row), else the
+  // owner's row of that lead (the row is a local copy of it). Worked out
+  // once here, where each token's pairs are at hand: the exchange then needs
+  // no peer's pair_slot per row (those reads and divisions were most of the
+  // rule's host cost).
+  std::unique_ptr<int32_t[]> lead_row;
 };
 
 }  // namespace
@@ -712,25 +726,48 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
 
     // Phase 1, a task per rank: stage its x in (peers read it next phase),
     // place its pairs in (token, k) order after all pairs of lower ranks,
-    // and tell the owning ranks where each of their rows comes from.
+    // and tell the owning ranks where each of their rows comes from and
+    // whether it leads its token there (layout->lead_row).
+    const int64_t slots_per_rank = el * cap;
+    layout->lead_row.reset(new int32_t[n * slots_per_rank]);  // read only where filled
     Phase place;
     place.count = n;
-    place.run = [ranks, layout, el, cap, pairs](uint64_t rank) {
+    place.run = [ranks, layout, el, cap, pairs, k_top = p.topk, slots_per_rank](uint64_t rank) {
       DispatchRank& me = *ranks[rank];
       me.rows.StageIn();
+      for (DispatchRank::Entry& entry : me.entries) {
+        entry.owner = static_cast<int32_t>(entry.expert / el);
+        entry.first_row = (entry.expert % el) * cap;
+      }
+      // The current token's leads so far: owning rank and its row there. The
+      // thread's, bound once (each use of a thread_local was a TLS lookup).
+      thread_local std::vector<std::pair<int32_t, int32_t>> thread_leads;
+      std::vector<std::pair<int32_t, int32_t>>& leads = thread_leads;
       int32_t drops = 0;
       const int64_t first_pair = static_cast<int64_t>(rank) * pairs;
-      for (int64_t i = 0; i < pairs; ++i) {
-        DispatchRank::Entry& entry = me.entries[me.pair_slot[i]];
-        const int32_t e = entry.expert;
-        const int64_t row = entry.next++;
-        if (row >= cap) {
-          me.pair_slot[i] = -1;
-          drops++;
-          continue;
+      int32_t* lead_row = layout->lead_row.get();
+      for (int64_t token_first = 0; token_first < pairs; token_first += k_top) {
+        leads.clear();
+        for (int64_t i = token_first; i < token_first + k_top; ++i) {
+          DispatchRank::Entry& entry = me.entries[me.pair_slot[i]];
+          const int64_t row = entry.next++;
+          if (row >= cap) {
+            me.pair_slot[i] = -1;
+            drops++;
+            continue;
+          }
+          me.pair_slot[i] = static_cast<int32_t>(entry.expert * cap + row);
+          const int32_t owner = entry.owner, owner_row = static_cast<int32_t>(entry.first_row + row);
+          int32_t lead = -1;  // the token's kept pair of lowest k on the owner leads
+          for (const auto& [lead_owner, lead_at] : leads) {
+            if (lead_owner != owner) continue;
+            lead = lead_at;
+            break;
+          }
+          if (lead < 0) leads.emplace_back(owner, owner_row);
+          lead_row[owner * slots_per_rank + owner_row] = lead;
+          ranks[owner]->slot_source[owner_row] = static_cast<int32_t>(first_pair + i);
         }
-        me.pair_slot[i] = static_cast<int32_t>(e * cap + row);
-        ranks[e / el]->slot_source[(e % el) * cap + row] = static_cast<int32_t>(first_pair + i);
       }
       *me.dropped = drops;
       for (int64_t l = 0; l < el; ++l) {
@@ -743,21 +780,22 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
 
     // Phase 2: each (token, destination rank) pair crosses once, source x ->
     // the owner's row of the pair that leads it there (DMA work of the owning
-    // NPU), in tasks of runs of expert rows. In direct mode the lead's task
-    // then fans the row out to the token's other rows on that rank (a local
-    // copy; no other task writes those rows: their own tasks skip them).
-    // buffer_centric receives only the leads in the comm buffer and fans out
-    // while staging out.
+    // NPU), in tasks of runs of expert rows; the token's other rows on that
+    // rank are local copies of the lead row. In direct mode the host writes
+    // every row from the source row (each task its own rows, in order; the
+    // source row is in cache): the stats count what the modeled machine
+    // moves (the lead crossing, the others local copies), not the host's
+    // copies. buffer_centric receives only the leads in the comm buffer and
+    // fans out while staging out.
     Phase exchange;
     const ExpertTasks tasks(p, rb);
     exchange.count = tasks.count(n);
-    exchange.run = [p, tasks, ranks, ptrs = PtrTable(s), devices = s.devices, pairs, rb,
-                    direct](uint64_t i) {
+    exchange.run = [p, tasks, ranks, layout, ptrs = PtrTable(s), devices = s.devices, pairs, rb,
+                    slots_per_rank, direct](uint64_t i) {
       const ExpertTasks::Task task = tasks.at(i);
-      const int64_t slots_per_rank = p.local_experts() * p.capacity;
-      const RankSlots mine(task.rank, slots_per_rank);
       char* out = static_cast<char*>(ptrs[task.rank][kRecv]);
       const int32_t* sources = ranks[task.rank]->slot_source;
+      const int32_t* lead_row = layout->lead_row.get() + task.rank * slots_per_rank;
       int64_t moved = 0, zeroed = 0, fanned = 0;
       for (int64_t row = task.first_row; row < task.end_row; ++row) {
         const int32_t src = sources[row];
@@ -768,18 +806,11 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
           }
           continue;
         }
-        const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk, k = src % p.topk;
-        const int32_t* token_slots = ranks[src_rank]->pair_slot + token * p.topk;
-        if (!LeadsOnRank(token_slots, k, mine)) continue;  // its lead's task fills it
+        const bool leads = lead_row[row] < 0;
+        if (!leads && !direct) continue;  // filled from its lead while staging out
+        const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk;
         std::memcpy(out + row * rb, static_cast<const char*>(ptrs[src_rank][kX]) + token * rb, rb);
-        moved += rb;
-        if (!direct) continue;
-        for (int64_t j = k + 1; j < p.topk; ++j) {
-          const int32_t slot = token_slots[j];
-          if (!mine.Holds(slot)) continue;
-          std::memcpy(out + (slot - mine.first) * rb, out + row * rb, rb);
-          fanned += rb;
-        }
+        (leads ? moved : fanned) += rb;
       }
       Stats& stats = GlobalStats();
       const bool sdma = MoeDispatchOnSdma(p);
@@ -797,30 +828,20 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
     if (!direct) {
       Phase stage_out;
       stage_out.count = n;
-      stage_out.run = [p, ranks, pairs, rb](uint64_t rank) {
-        const int64_t slots_per_rank = p.local_experts() * p.capacity;
-        const RankSlots mine(static_cast<int64_t>(rank), slots_per_rank);
+      stage_out.run = [ranks, layout, rb, slots_per_rank](uint64_t rank) {
         const DispatchRank& me = *ranks[rank];
         const char* staged = static_cast<const char*>(me.rows.out(0));
         char* out = static_cast<char*>(me.rows.user_out(0));
+        const int32_t* lead_row = layout->lead_row.get() + rank * slots_per_rank;
         int64_t copied = 0, fanned = 0;
         for (int64_t row = 0; row < slots_per_rank; ++row) {
-          const int32_t src = me.slot_source[row];
-          if (src < 0) {
+          if (me.slot_source[row] < 0) {
             std::memset(out + row * rb, 0, rb);
             continue;
           }
-          const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk, k = src % p.topk;
-          const int32_t* token_slots = ranks[src_rank]->pair_slot + token * p.topk;
-          if (!LeadsOnRank(token_slots, k, mine)) continue;
-          std::memcpy(out + row * rb, staged + row * rb, rb);
-          copied += rb;
-          for (int64_t j = k + 1; j < p.topk; ++j) {
-            const int32_t slot = token_slots[j];
-            if (!mine.Holds(slot)) continue;
-            std::memcpy(out + (slot - mine.first) * rb, out + row * rb, rb);
-            fanned += rb;
-          }
+          const int32_t lead = lead_row[row];
+          std::memcpy(out + row * rb, staged + (lead < 0 ? row : lead) * rb, rb);
+          (lead < 0 ? copied : fanned) += rb;
         }
         Stats& stats = GlobalStats();
         stats.bytes_staged += copied;
@@ -887,9 +908,13 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
           const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
           const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
           T* out = static_cast<T*>(ptrs[task.rank][kY]);
-          // The thread's: one per task was an allocation.
-          thread_local std::vector<A> acc, part;
-          thread_local TokenGroups groups;
+          // The thread's: one per task was an allocation. Bound once: each
+          // use of a thread_local is a TLS lookup.
+          thread_local std::vector<A> thread_acc, thread_part;
+          thread_local TokenGroups thread_groups;
+          std::vector<A>& acc = thread_acc;
+          std::vector<A>& part = thread_part;
+          TokenGroups& groups = thread_groups;
           acc.resize(h);
           part.resize(h);
           int64_t rows = 0, crossed = 0;

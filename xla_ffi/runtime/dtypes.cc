@@ -13,7 +13,7 @@ struct IsaEntry {
   const char* name;
   ReduceFn fn;  // nullptr: not built by this compiler / for this target
   AxpyRowFn axpy;
-  AddRoundedRowFn add_rounded;
+  AxpyAddRoundedRowFn axpy_add_rounded;
   bool (*supported)();
 };
 
@@ -34,14 +34,14 @@ bool Always() { return true; }
 
 // Narrowest first.
 const IsaEntry kIsas[] = {
-    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AddRoundedRow, &Always},
+    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AxpyAddRoundedRow, &Always},
 #ifdef STRATA_REDUCE_HAVE_AVX2
-    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AddRoundedRow, &CpuHasAvx2},
+    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AxpyAddRoundedRow, &CpuHasAvx2},
 #else
     {"avx2", nullptr, nullptr, nullptr, &CpuHasAvx2},
 #endif
 #ifdef STRATA_REDUCE_HAVE_AVX512
-    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AddRoundedRow, &CpuHasAvx512},
+    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AxpyAddRoundedRow, &CpuHasAvx512},
 #else
     {"avx512", nullptr, nullptr, nullptr, &CpuHasAvx512},
 #endif
@@ -128,8 +128,8 @@ void AxpyRow(DType row_dtype, void* acc, const void* row, double w, int64_t n) {
   g_isa.load(std::memory_order_relaxed)->axpy(row_dtype, acc, row, w, n);
 }
 
-void AddRoundedRow(DType row_dtype, void* acc, const void* part, int64_t n) {
-  g_isa.load(std::memory_order_relaxed)->add_rounded(row_dtype, acc, part, n);
+void AxpyAddRoundedRow(DType row_dtype, void* acc, const void* part, const void* row, double w, int64_t n) {
+  g_isa.load(std::memory_order_relaxed)->axpy_add_rounded(row_dtype, acc, part, row, w, n);
 }
 
 std::string SetReduceIsa(const std::string& isa) {

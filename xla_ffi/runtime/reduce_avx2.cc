@@ -22,8 +22,8 @@ void AxpyRow(DType dtype, void* acc, const void* row, double w, int64_t n) {
   AxpyRowImpl(dtype, acc, row, w, n);
 }
 
-void AddRoundedRow(DType dtype, void* acc, const void* part, int64_t n) {
-  AddRoundedRowImpl(dtype, acc, part, n);
+void AxpyAddRoundedRow(DType dtype, void* acc, const void* part, const void* row, double w, int64_t n) {
+  AxpyAddRoundedRowImpl(dtype, acc, part, row, w, n);
 }
 
 }  // namespace isa_avx2

@@ -19,22 +19,22 @@ namespace strata {
 
 using ReduceFn = void (*)(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 using AxpyRowFn = void (*)(DType, void*, const void*, double, int64_t);
-using AddRoundedRowFn = void (*)(DType, void*, const void*, int64_t);
+using AxpyAddRoundedRowFn = void (*)(DType, void*, const void*, const void*, double, int64_t);
 
 namespace isa_baseline {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
-void AddRoundedRow(DType, void*, const void*, int64_t);
+void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 }
 namespace isa_avx2 {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
-void AddRoundedRow(DType, void*, const void*, int64_t);
+void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 }
 namespace isa_avx512 {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
-void AddRoundedRow(DType, void*, const void*, int64_t);
+void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 }
 
 // The MoE combine's accumulation of one weighted expert row in the chosen
@@ -44,9 +44,10 @@ void AxpyRow(DType row_dtype, void* acc, const void* row, double w, int64_t n);
 // Same, in a named variant (nullptr if unusable; for tests).
 AxpyRowFn AxpyRowKernel(const std::string& isa);
 // The MoE combine's partial sums cross ranks in the rows' dtype: acc[i] +=
-// part[i] narrowed to row_dtype (nearest even) and widened back; acc and
-// part float32 (float64 for F64 rows; then, as for F32, nothing is rounded).
-void AddRoundedRow(DType row_dtype, void* acc, const void* part, int64_t n);
+// (part[i] + w * row[i]) narrowed to row_dtype (nearest even) and widened
+// back, the partial's last pair and its rounding fused; acc and part
+// float32 (float64 for F64 rows; then, as for F32, nothing is rounded).
+void AxpyAddRoundedRow(DType row_dtype, void* acc, const void* part, const void* row, double w, int64_t n);
 
 // The variant ReduceInto runs now: "baseline", "avx2" or "avx512".
 const char* ReduceIsa();

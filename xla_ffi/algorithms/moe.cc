@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -205,6 +206,17 @@ void AddGroup(DType dtype, A* acc, A* part, int64_t h, const TokenGroups& groups
   }
   SumGroup<T, A>(dtype, part, h, groups, begin, end - 1, token_slots, token_w, rows, slots_per_rank);
   AxpyAddRoundedRow(dtype, acc, part, last_row, static_cast<double>(token_w[last_k]), h);
+}
+
+// A finished sum stored as a row of T: the ISA's vector kernel, except for
+// float16, whose NaN payloads only the compiler's conversion keeps.
+template <typename T, typename A>
+void StoreRow(DType dtype, T* out, const A* acc, int64_t h) {
+  if constexpr (std::is_same_v<T, _Float16>) {
+    for (int64_t j = 0; j < h; ++j) out[j] = Narrow<T>(acc[j]);
+  } else {
+    NarrowRow(dtype, out, acc, h);
+  }
 }
 
 // Asks the cache for a token's expert rows before they are summed: they
@@ -955,7 +967,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
               crossed += rb;
               begin = end;
             }
-            for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
+            StoreRow<T, A>(p.dtype, out + t * h, acc.data(), h);
           }
           Stats& stats = GlobalStats();
           const int64_t touched = (rows + (task.end - task.first)) * rb;
@@ -997,7 +1009,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
             } else {
               SumGroup<T, A>(p.dtype, part.data(), h, groups, begin, end, token_slots, w + t * k_top,
                              owner_rows, slots_per_rank);
-              for (int64_t j = 0; j < h; ++j) lead[j] = Narrow<T>(part[j]);
+              StoreRow<T, A>(p.dtype, lead, part.data(), h);
             }
             rows += end - begin;
             staged += rb;
@@ -1038,7 +1050,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
             crossed += rb;
             begin = end;
           }
-          for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
+          StoreRow<T, A>(p.dtype, out + t * h, acc.data(), h);
         }
         Stats& stats = GlobalStats();
         const int64_t touched = crossed + (task.end - task.first) * rb;

@@ -26,5 +26,7 @@ void AxpyAddRoundedRow(DType dtype, void* acc, const void* part, const void* row
   AxpyAddRoundedRowImpl(dtype, acc, part, row, w, n);
 }
 
+void NarrowRow(DType dtype, void* out, const void* acc, int64_t n) { NarrowRowImpl(dtype, out, acc, n); }
+
 }  // namespace isa_baseline
 }  // namespace strata

@@ -222,13 +222,15 @@ void StoreRow(DType dtype, T* out, const A* acc, int64_t h) {
 // Asks the cache for a token's expert rows before they are summed: they
 // sit on the owning ranks at random rows, and the sum otherwise waits on
 // each row's loads (perf: most of the combine's time was on those loads).
-// `rows_of[r]`: rank r's expert rows; slots -1 (dropped) are skipped.
+// `rows_of[r]`: rank r's expert rows; slots -1 (dropped) are skipped, and
+// with `leads_only` so are those a lower k leads on the same rank.
 inline void PrefetchTokenRows(const int32_t* token_slots, int64_t k_top, int64_t slots_per_rank,
-                              const void* const* rows_of, int64_t row_bytes) {
+                              const void* const* rows_of, int64_t row_bytes, bool leads_only = false) {
   for (int64_t k = 0; k < k_top; ++k) {
     const int32_t slot = token_slots[k];
     if (slot < 0) continue;
     const int32_t owner = slot / static_cast<int32_t>(slots_per_rank);
+    if (leads_only && !LeadsOnRank(token_slots, k, RankSlots(owner, slots_per_rank))) continue;
     const char* row = static_cast<const char*>(rows_of[owner]) + (slot - owner * slots_per_rank) * row_bytes;
     for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
   }
@@ -991,12 +993,22 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
         const TokenTasks::Task task = tasks.at(i);
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
         const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
-        thread_local std::vector<A> part;
-        thread_local TokenGroups groups;
+        thread_local std::vector<A> thread_part;  // bound once: each use is a TLS lookup
+        thread_local TokenGroups thread_groups;
+        thread_local std::vector<const void*> thread_rows_of;
+        std::vector<A>& part = thread_part;
+        TokenGroups& groups = thread_groups;
+        std::vector<const void*>& rows_of = thread_rows_of;  // the owners' own expert rows
         part.resize(h);
+        rows_of.resize(p.group_size);
+        for (int r = 0; r < p.group_size; ++r) rows_of[r] = ranks[r]->rows.user_in(0);
+        if (task.first < task.end)
+          PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of.data(), rb);
         int64_t rows = 0, staged = 0;
         for (int64_t t = task.first; t < task.end; ++t) {
           const int32_t* token_slots = slots + t * k_top;
+          if (t + 1 < task.end)
+            PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of.data(), rb);
           groups.Build(token_slots, k_top, slots_per_rank);
           int32_t begin = 0;
           for (const int32_t end : groups.group_end) {
@@ -1032,12 +1044,22 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
         const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
         T* out = static_cast<T*>(ptrs[task.rank][kY]);
-        thread_local std::vector<A> acc;
-        thread_local TokenGroups groups;
+        thread_local std::vector<A> thread_acc;  // bound once: each use is a TLS lookup
+        thread_local TokenGroups thread_groups;
+        thread_local std::vector<const void*> thread_rows_of;
+        std::vector<A>& acc = thread_acc;
+        TokenGroups& groups = thread_groups;
+        std::vector<const void*>& rows_of = thread_rows_of;  // the owners' comm buffers
         acc.resize(h);
+        rows_of.resize(p.group_size);
+        for (int r = 0; r < p.group_size; ++r) rows_of[r] = ptrs[r][kEy];
+        if (task.first < task.end)
+          PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of.data(), rb, true);
         int64_t crossed = 0;
         for (int64_t t = task.first; t < task.end; ++t) {
           const int32_t* token_slots = slots + t * k_top;
+          if (t + 1 < task.end)
+            PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of.data(), rb, true);
           groups.Build(token_slots, k_top, slots_per_rank);
           std::fill(acc.begin(), acc.end(), A(0));
           int32_t begin = 0;

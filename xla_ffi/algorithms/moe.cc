@@ -771,14 +771,19 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
         entry.first_row = (entry.expert % el) * cap;
       }
       // The current token's leads so far: owning rank and its row there. The
-      // thread's, bound once (each use of a thread_local was a TLS lookup).
-      thread_local std::vector<std::pair<int32_t, int32_t>> thread_leads;
-      std::vector<std::pair<int32_t, int32_t>>& leads = thread_leads;
+      // thread's scratch, used through a plain pointer (GCC redid the TLS
+      // lookup at each use of the thread_local, even through a reference).
+      struct Lead {
+        int32_t owner, row;
+      };
+      thread_local std::vector<Lead> thread_leads;
+      if (thread_leads.size() < static_cast<size_t>(k_top)) thread_leads.resize(k_top);
+      Lead* const leads = thread_leads.data();
       int32_t drops = 0;
       const int64_t first_pair = static_cast<int64_t>(rank) * pairs;
       int32_t* lead_row = layout->lead_row.get();
       for (int64_t token_first = 0; token_first < pairs; token_first += k_top) {
-        leads.clear();
+        int64_t num_leads = 0;
         for (int64_t i = token_first; i < token_first + k_top; ++i) {
           DispatchRank::Entry& entry = me.entries[me.pair_slot[i]];
           const int64_t row = entry.next++;
@@ -790,12 +795,9 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
           me.pair_slot[i] = static_cast<int32_t>(entry.expert * cap + row);
           const int32_t owner = entry.owner, owner_row = static_cast<int32_t>(entry.first_row + row);
           int32_t lead = -1;  // the token's kept pair of lowest k on the owner leads
-          for (const auto& [lead_owner, lead_at] : leads) {
-            if (lead_owner != owner) continue;
-            lead = lead_at;
-            break;
-          }
-          if (lead < 0) leads.emplace_back(owner, owner_row);
+          for (int64_t j = 0; j < num_leads && lead < 0; ++j)
+            if (leads[j].owner == owner) lead = leads[j].row;
+          if (lead < 0) leads[num_leads++] = {owner, owner_row};
           lead_row[owner * slots_per_rank + owner_row] = lead;
           ranks[owner]->slot_source[owner_row] = static_cast<int32_t>(first_pair + i);
         }
@@ -939,39 +941,39 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
           const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
           const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
           T* out = static_cast<T*>(ptrs[task.rank][kY]);
-          // The thread's: one per task was an allocation. Bound once: each
-          // use of a thread_local is a TLS lookup.
+          // The thread's scratch (one per task was an allocation), used
+          // through plain pointers: GCC redoes the TLS lookup at each use of
+          // a thread_local, even through a reference.
           thread_local std::vector<A> thread_acc, thread_part;
           thread_local TokenGroups thread_groups;
-          std::vector<A>& acc = thread_acc;
-          std::vector<A>& part = thread_part;
-          TokenGroups& groups = thread_groups;
-          acc.resize(h);
-          part.resize(h);
-          int64_t rows = 0, crossed = 0;
-          // Each owner's expert rows, for prefetching the next token's.
           thread_local std::vector<const void*> thread_rows_of;
-          std::vector<const void*>& rows_of = thread_rows_of;
-          rows_of.resize(p.group_size);
+          thread_acc.resize(h);
+          thread_part.resize(h);
+          thread_rows_of.resize(p.group_size);
+          A* const acc = thread_acc.data();
+          A* const part = thread_part.data();
+          TokenGroups& groups = thread_groups;
+          const void** const rows_of = thread_rows_of.data();  // each owner's expert rows
           for (int r = 0; r < p.group_size; ++r) rows_of[r] = ptrs[r][kEy];
+          int64_t rows = 0, crossed = 0;
           if (task.first < task.end)
-            PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of.data(), rb);
+            PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of, rb);
           for (int64_t t = task.first; t < task.end; ++t) {
             const int32_t* token_slots = slots + t * k_top;
             if (t + 1 < task.end)
-              PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of.data(), rb);
+              PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of, rb);
             groups.Build(token_slots, k_top, slots_per_rank);
-            std::fill(acc.begin(), acc.end(), A(0));
+            std::fill(acc, acc + h, A(0));
             int32_t begin = 0;
             for (const int32_t end : groups.group_end) {
               const T* owner_rows = static_cast<const T*>(ptrs[groups.pairs[begin].owner][kEy]);
-              AddGroup<T, A>(p.dtype, acc.data(), part.data(), h, groups, begin, end, token_slots,
+              AddGroup<T, A>(p.dtype, acc, part, h, groups, begin, end, token_slots,
                              w + t * k_top, owner_rows, slots_per_rank);
               rows += end - begin;
               crossed += rb;
               begin = end;
             }
-            StoreRow<T, A>(p.dtype, out + t * h, acc.data(), h);
+            StoreRow<T, A>(p.dtype, out + t * h, acc, h);
           }
           Stats& stats = GlobalStats();
           const int64_t touched = (rows + (task.end - task.first)) * rb;
@@ -995,7 +997,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
         const TokenTasks::Task task = tasks.at(i);
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
         const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
-        thread_local std::vector<A> thread_part;  // bound once: each use is a TLS lookup
+        thread_local std::vector<A> thread_part;  // the thread's scratch
         thread_local TokenGroups thread_groups;
         thread_local std::vector<const void*> thread_rows_of;
         std::vector<A>& part = thread_part;
@@ -1046,7 +1048,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
         const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
         T* out = static_cast<T*>(ptrs[task.rank][kY]);
-        thread_local std::vector<A> thread_acc;  // bound once: each use is a TLS lookup
+        thread_local std::vector<A> thread_acc;  // the thread's scratch
         thread_local TokenGroups thread_groups;
         thread_local std::vector<const void*> thread_rows_of;
         std::vector<A>& acc = thread_acc;

@@ -4,10 +4,12 @@ strata.moe.dispatch/combine/expert_parallel_ffn against a reference written with
 collectives (all_gather of per-expert counts + all_to_all of tokens), same semantics as the API:
 recv_x [E_local, capacity, H], rows ordered by (source rank, source token, k), drops counted.
 
-Bandwidth (DeepEP's definition, made exact here): bytes of token rows received by expert slots
-= accepted (token, k) pairs x H x itemsize, averaged over ranks, divided by the time; combine
-moves the same rows back. A token that goes to two experts of one rank counts twice here
-(DeepEP counts it once per destination rank; that figure is in the JSON as `deepep_bytes`).
+Bandwidth (DeepEP's definition, made exact here): bytes of tokens received, a token counted once
+per destination rank (the accepted (token, k) pairs' distinct (token, rank) pairs x H x itemsize),
+averaged over ranks, divided by the time; combine sends the same rows back. These are the bytes
+the runtime moves between ranks (DeepEP's rule: a token crosses to a rank once and is copied to
+that rank's experts there; combine sums them there first). The JSON also has the slot rows
+(`recv_bytes_per_rank`: accepted pairs x H x itemsize).
 
 #wrong for dispatch and combine is exact: tokens are small integers, expert outputs small
 integers and top-k weights powers of two, so every weighted sum is exact in any order. The
@@ -284,6 +286,7 @@ def run(args) -> Report:
     recv_bytes = accepted * h * dt.itemsize / n  # per rank, averaged
     dest_rank = (e // el).reshape(n * tkn, k)
     deepep = sum(len(set(dest_rank[i][acc.reshape(n * tkn, k)[i]])) for i in range(n * tkn))
+    deepep_bytes = deepep * h * dt.itemsize / n  # per rank, averaged
     exp_recv = exp_counts = exp_drop = exp_y = None
     if args.check:
         exp_recv, exp_counts, exp_drop = np_dispatch(x_all, e, slot, acc, k, ne, cap)
@@ -306,7 +309,7 @@ def run(args) -> Report:
               "experts_per_rank": el, "capacity": cap, "capacity_factor": args.capacity_factor,
               "ffn": args.ffn, "dtype": dtype, "accepted_pairs": accepted,
               "dropped_pairs": int((~acc).sum()), "recv_bytes_per_rank": recv_bytes,
-              "deepep_bytes_per_rank": deepep * h * dt.itemsize / n, "iters": args.iters,
+              "deepep_bytes_per_rank": deepep_bytes, "iters": args.iters,
               "warmup": args.warmup_iters, "repeats": args.repeats,
               "sync_every": args.sync_every, "ops": ops, "impls": impls, "modes": modes}
     report = Report("moe", params, env=common.environment())
@@ -417,8 +420,8 @@ def run(args) -> Report:
             row.update(time_us=t, iters=timing.iters, first_call_s=timing.first_call_s,
                        blocks_us=list(timing.blocks_us), spread_us=style.spread(timing.blocks_us))
             if op in ("dispatch", "combine"):
-                row["bytes_per_rank"] = recv_bytes
-                row["bw"] = recv_bytes / (t * 1e-6) / 1e9
+                row["bytes_per_rank"] = deepep_bytes
+                row["bw"] = deepep_bytes / (t * 1e-6) / 1e9
             else:
                 row["tokens_per_s"] = n * tkn / (t * 1e-6)
     if hasattr(bar, "close"):
@@ -508,9 +511,10 @@ def _table(report: Report, p: dict) -> str:
              f"capacity={p['capacity']} ffn={p['ffn']} {p['dtype']}")
     footer = ["time: per call, median of the timed blocks, ± half their range; speedup = lax "
               "time / strata time, ≈1 when the difference is within the two spreads",
-              f"bw = accepted (token,k) rows x H x itemsize per rank / time = "
-              f"{p['recv_bytes_per_rank'] / 1e6:.2f} MB per rank "
-              f"({p['accepted_pairs']} pairs accepted, {p['dropped_pairs']} dropped)",
+              f"bw = DeepEP's: bytes of tokens received per rank, a token once per destination rank "
+              f"(what crosses between ranks) / time = {p['deepep_bytes_per_rank'] / 1e6:.2f} MB per rank "
+              f"({p['accepted_pairs']} (token,k) pairs accepted = {p['recv_bytes_per_rank'] / 1e6:.2f} MB "
+              f"of slot rows, {p['dropped_pairs']} dropped)",
               f"layer: lax = {p.get('layer_reference', 'reference')}; strata #wrong = "
               "elements with |strata - lax| > 1e-3 + 1e-3|lax| (N/A when the lax layer is not "
               "the library's reference)",

@@ -13,7 +13,13 @@ if _core.reduce_isa_note():
 
 
 def stats() -> dict:
-    """bytes_direct, bytes_staged, registrations, registry hits/misses,
+    """bytes_exchanged (written by transfers between ranks, either mode; MoE:
+    one row per (token, destination rank) each way, DeepEP's rule),
+    bytes_direct (those moved straight between user buffers: strata mode),
+    bytes_staged (copied into or out of comm buffers: buffer_centric mode),
+    bytes_local (MoE: dispatch's fan-out of a received token to the rank's
+    other experts, and combine's sum of a token's rows on their rank before
+    one row goes back), registrations, registry hits/misses,
     core_bytes[npu][core] and sdma_bytes[npu][engine], among others;
     reduce_isa: the instruction set of the reduction kernels in use
     ("baseline", "avx2" or "avx512": the widest the CPU runs, or

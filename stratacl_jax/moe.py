@@ -11,10 +11,14 @@
 
 The runtime computes the layout from every rank's routing when the group
 meets (pairs per expert per source rank, prefix sums, the row of every
-(token, k) pair) and then moves each routed row once, from the source rank's
-``x`` straight into the owner's ``recv_x`` (and back, weighted, for combine).
-Rows of an expert are ordered by (source rank, source token, k); pairs past
-``capacity`` are dropped and counted in ``handle.dropped`` on their source rank.
+(token, k) pair). Then, as DeepEP does, a token crosses to each destination
+rank once, however many of its experts live there: from the source rank's
+``x`` into the owner's ``recv_x`` row of the token's first pair (lowest k) on
+that rank, and from there into the rows of its other pairs on the same rank.
+Combine sums a token's rows from one rank's experts on that rank and sends one
+partial row back per (token, rank). Rows of an expert are ordered by (source
+rank, source token, k); pairs past ``capacity`` are dropped and counted in
+``handle.dropped`` on their source rank.
 
 Also here: ``expert_parallel_ffn`` (a drop-in MoE FFN layer built on them),
 ``reference_expert_parallel_ffn`` (the same layer written the usual JAX way,
@@ -234,7 +238,7 @@ def _combine_across(expert_y, weights, pair_slot, slot_source, axes):
     """combine over axes that cross processes: every owner sends each source
     the rows that source filled (strata.all_to_all of padded [N, E_local,
     capacity, H] buffers), and every rank sums its pairs' rows, weighted, in
-    float32 (float64 for float64 rows) as the runtime does."""
+    float32 (float64 for float64 rows) in the runtime's order (per-rank partials, then ranks ascending)."""
     from .all_to_all import all_to_all
 
     n = lax.axis_size(axes)
@@ -245,8 +249,39 @@ def _combine_across(expert_y, weights, pair_slot, slot_source, axes):
     back = jnp.where(owner[None, :, :, None] == ranks, expert_y[None], jnp.zeros((), expert_y.dtype))
     got = all_to_all(back, axes, 0, 0).reshape(n * el * cap, h)
     rows = jnp.take(got, pair_slot.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(t, k, h)
-    w = jnp.where(pair_slot >= 0, weights, jnp.zeros((), weights.dtype))
-    return jnp.einsum("tk,tkh->th", w, rows.astype(w.dtype)).astype(expert_y.dtype)
+    owner = jnp.where(pair_slot >= 0, pair_slot // (el * cap), -1)
+    return _sum_by_rank(rows, weights, owner, expert_y.dtype)
+
+
+def _sum_by_rank(rows, weights, owner, dtype):
+    """combine's sum in the runtime's order (moe.cc): per token, from zero, in
+    ascending rank order, each rank's contribution added in the accumulation
+    type of ``weights``: weight x row for a rank holding one of the token's
+    pairs; for several, their partial (weight x row summed from zero in k
+    order) rounded to ``dtype`` (the row that crosses back); the sum rounded
+    to ``dtype``. rows [T, K, H]; weights [T, K]; owner [T, K]: the rank
+    holding the pair's row, -1 if dropped."""
+    t, k, h = rows.shape
+    acc_dtype = weights.dtype
+    last = jnp.iinfo(jnp.int32).max  # dropped pairs sort after every rank
+    key = jnp.where(owner >= 0, owner, last).astype(jnp.int32)
+    order = jnp.argsort(key, axis=1, stable=True)  # by rank, then k
+    key = jnp.take_along_axis(key, order, axis=1)
+    rows = jnp.take_along_axis(rows, order[..., None], axis=1)
+    w = jnp.take_along_axis(weights, order, axis=1)
+    acc = jnp.zeros((t, h), acc_dtype)
+    part = jnp.zeros((t, h), acc_dtype)
+    count = jnp.zeros((t, 1), jnp.int32)  # pairs in the rank's group so far
+    for j in range(k):
+        part = part + w[:, j, None] * rows[:, j].astype(acc_dtype)
+        count = count + 1
+        following = key[:, j + 1] if j + 1 < k else jnp.full((t,), last, jnp.int32)
+        ends = ((key[:, j] != following) & (key[:, j] != last))[:, None]  # a rank's group ends here
+        rounded = part.astype(dtype).astype(acc_dtype)
+        acc = jnp.where(ends, acc + jnp.where(count == 1, part, rounded), acc)
+        part = jnp.where(ends, jnp.zeros((), acc_dtype), part)
+        count = jnp.where(ends, 0, count)
+    return acc.astype(dtype)
 
 
 _IDS_AS_GIVEN = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "uint8"))
@@ -312,7 +347,12 @@ def combine(expert_y, handle: DispatchHandle, topk_weights):
 
     ``expert_y [E_local, capacity, H]`` (float32, float64, float16 or
     bfloat16); ``topk_weights [T, K]``. Sums run in float32 (float64 for
-    float64 rows) and round once to ``expert_y``'s dtype.
+    float64 rows) in a fixed order (the same on every rank and run, and in
+    :func:`reference_combine`): from zero, the ranks holding the token's pairs
+    in ascending order, each adding one row: the weighted expert row when the
+    rank holds one of the pairs, else the sum of its pairs' weighted rows in
+    k order, made on that rank and rounded to ``expert_y``'s dtype (the row
+    that crosses back); the total is rounded to ``expert_y``'s dtype.
     """
     expert_y = jnp.asarray(expert_y)
     topk_weights = jnp.asarray(topk_weights)
@@ -503,7 +543,8 @@ def reference_dispatch(x, topk_idx, *, axis_name, num_experts: int, capacity: in
 def reference_combine(expert_y, state, topk_weights, *, axis_name):
     """combine() the usual JAX way: owners scatter rows back into padded
     ``[N, E_local, capacity, H]`` buffers, one ``lax.all_to_all`` returns them,
-    and every rank takes the weighted sum of its pairs' rows."""
+    and every rank takes the weighted sum of its pairs' rows, in combine's
+    order and roundings (per-rank partials, then ranks ascending)."""
     axes = _ffi.normalize_axes(axis_name, "strata.moe.reference_combine")
     n = lax.axis_size(axes)
     el, cap, h = expert_y.shape
@@ -513,8 +554,9 @@ def reference_combine(expert_y, state, topk_weights, *, axis_name):
     got = lax.all_to_all(back, axes, 0, 0).reshape(n * el * cap, h)  # this rank's rows, by e*C + pos
     t, k = state["send_row"].shape
     rows = jnp.take(got, state["send_row"].reshape(-1), axis=0, mode="fill", fill_value=0).reshape(t, k, h)
-    w = jnp.where(state["accepted"], topk_weights, 0).astype(_weight_dtype(expert_y.dtype))
-    return jnp.einsum("tk,tkh->th", w, rows.astype(w.dtype)).astype(expert_y.dtype)
+    w = topk_weights.astype(_weight_dtype(expert_y.dtype))
+    owner = jnp.where(state["accepted"], state["send_row"] // (el * cap), -1)
+    return _sum_by_rank(rows, w, owner, expert_y.dtype)
 
 
 def reference_expert_parallel_ffn(x, router_w, w_in, w_out, *, axis_name, top_k: int, capacity: int,

@@ -143,9 +143,14 @@ def test_many_small_messages_cost_their_issue_time():
 def test_moe_combine_pays_a_message_per_row():
     # Combine's token tasks (256 KiB: 2 tokens of 8 rows of 14 KiB): each row
     # read is a message (rows of one owner are not contiguous there), the
-    # task's tokens one write. Uniform routing drops nothing, so the busiest
-    # core issues ceil(tasks / 48) x (2 x 8 + 1) messages.
-    r = model("moe_combine", npus=32, tokens=4096, hidden=7168, top_k=8, num_experts=256, dtype="bfloat16")
+    # task's tokens one write. Every token's 8 experts on 8 different ranks:
+    # 8 rows cross per token, no owner sums a partial first, nothing is
+    # dropped, so the busiest core issues ceil(tasks / 48) x (2 x 8 + 1) messages.
+    n, t, k, e = 32, 4096, 8, 256
+    owner = (np.arange(n)[:, None, None] + 1 + np.arange(k)[None, None, :]) % n
+    idx = (owner * (e // n) + np.arange(t)[None, :, None] % (e // n)).astype(np.int32)
+    r = model("moe_combine", npus=n, tokens=t, hidden=7168, top_k=k, num_experts=e, dtype="bfloat16",
+              topk_idx=idx)
     per_task = (256 << 10) // (8 * 7168 * 2)
     tasks = 4096 // per_task
     assert r.breakdown["message_us"] == pytest.approx(math.ceil(tasks / 48) * (per_task * 8 + 1) * SPEC.core_message_us,
@@ -409,8 +414,9 @@ MOE = dict(tokens=512, hidden=1024, top_k=4, num_experts=32, dtype="bfloat16")
 
 
 def test_moe_from_routing_all_remote():
-    # Every token of rank r goes to experts of rank (r + 1) % n: dispatch
-    # moves T*K rows out of every rank over one path each.
+    # Every token of rank r goes to two experts of rank (r + 1) % n: dispatch
+    # moves each token out of every rank once, over one path (DeepEP's rule:
+    # the second row is copied there).
     n, t, k, e, h = 4, 256, 2, 8, 2048
     idx = np.zeros((n, t, k), np.int32)
     for r in range(n):
@@ -423,7 +429,9 @@ def test_moe_from_routing_all_remote():
     assert d.settings["dropped_pairs"] == 0
     assert d.algbw_gbps == pytest.approx(rows / d.time_us / 1e3)
     assert d.busbw_gbps == pytest.approx(t * h * 4 / d.time_us / 1e3)  # one destination per token
-    assert d.time_us >= rows / (SPEC.intra_node_gbps * 1e3)
+    assert d.time_us >= t * h * 4 / (SPEC.intra_node_gbps * 1e3)
+    # The UB bound is one token per rank out and in, not one per row.
+    assert d.lower_bound_us == pytest.approx(SPEC.intra_node_latency_us + t * h * 4 / (SPEC.ub_egress_gbps_per_rank * 1e3))
 
 
 def test_moe_capacity_drops_are_not_moved():

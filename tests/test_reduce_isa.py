@@ -388,10 +388,13 @@ def test_extension_has_no_fused_multiply_add():
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 def test_moe_combine_under_every_variant(mesh8, dtype):
-    """The combine's weighted accumulation (AxpyRow) follows the same choice:
-    one compiled program under each variant gives the bits of a numpy model
-    (float32 accumulator, float64 for float64 rows; each product rounded, then
-    added, in k order; rounded once to the row type)."""
+    """The combine's weighted accumulation (AxpyRow and the rounded partials)
+    follows the same choice: one compiled program under each variant gives
+    the bits of a numpy model of combine's order (float32 accumulator, float64
+    for float64 rows; each product rounded, then added; from zero, ranks
+    ascending: a rank holding one of the token's pairs adds w * row, one
+    holding several adds their sum in k order rounded to the row type; the
+    total rounded to the row type)."""
     from test_moe import np_dispatch, np_layout
 
     n, t, h, k, e, cap = 8, 16, 40, 3, 16, 5
@@ -422,11 +425,18 @@ def test_moe_combine_under_every_variant(mesh8, dtype):
     slot, _, _ = np_layout(idx, e, cap)
     rows = np_dispatch(x, slot, e, cap).reshape(e * cap, h)
     acc_t = np.float64 if dtype == "float64" else np.float32
-    want = np.zeros((n, t, h), acc_t)
-    for j in range(k):
-        kept = slot[:, :, j] >= 0
-        term = w[:, :, j, None].astype(acc_t) * rows[np.maximum(slot[:, :, j], 0)].astype(acc_t)
-        want = want + np.where(kept[..., None], term, acc_t(0))
-    want = want.astype(dt).reshape(n * t, h)
+    slots_per_rank = e // n * cap
+    want = np.zeros((n, t, h), dt)
+    for (r, i), token_slots in zip(np.ndindex(n, t), slot.reshape(n * t, k)):
+        acc = np.zeros(h, acc_t)
+        for owner in sorted({s // slots_per_rank for s in token_slots if s >= 0}):
+            part, pairs = np.zeros(h, acc_t), 0
+            for j, s in enumerate(token_slots):
+                if s >= 0 and s // slots_per_rank == owner:
+                    part = part + w[r, i, j].astype(acc_t) * rows[s].astype(acc_t)
+                    pairs += 1
+            acc = acc + (part if pairs == 1 else part.astype(dt).astype(acc_t))
+        want[r, i] = acc.astype(dt)
+    want = want.reshape(n * t, h)
     for isa, got in outs.items():
         assert got.tobytes() == want.tobytes(), (isa, dtype)

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -96,12 +97,14 @@ inline float Widen(Bf16 v) {
 }
 
 template <typename T> inline T Narrow(typename AccOf<T>::type v) { return static_cast<T>(v); }
+// Without a branch (NaN: quieted), so the loops storing rows vectorise.
 template <> inline Bf16 Narrow<Bf16>(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((bits >> 16) | 0x40)};
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-  return Bf16{static_cast<uint16_t>(bits >> 16)};
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // nearest even
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  const uint32_t is_nan = 0u - static_cast<uint32_t>((bits & 0x7fffffffu) > 0x7f800000u);
+  return Bf16{static_cast<uint16_t>((quiet_nan & is_nan) | (rounded & ~is_nan))};
 }
 
 // The weighted accumulation of a row (acc += w * row) is AxpyRow
@@ -124,6 +127,120 @@ inline A Dot(const T* a, const T* b, int64_t n) {
   for (; i < n; ++i) sum += Widen(a[i]) * Widen(b[i]);
   for (int j = 0; j < 8; ++j) sum += part[j];
   return sum;
+}
+
+// DeepEP's traffic rule: a token crosses to a rank once, however many of its
+// K experts live there. Of the token's pairs on one rank, the one with the
+// lowest k leads: it carries the row across (or, in combine, the rank's one
+// partial sum back), and the others are served from it on that rank.
+// `slots` are the token's K pair slots (-1: dropped); pair k is kept, on
+// the rank whose slots are `rank` (no division per pair: a 64-bit divide
+// per pair was most of dispatch's time per row).
+struct RankSlots {
+  int64_t first, end;  // [first, end): the global slots of one rank
+  RankSlots(int64_t rank, int64_t slots_per_rank) : first(rank * slots_per_rank), end(first + slots_per_rank) {}
+  bool Holds(int32_t slot) const { return slot >= first && slot < end; }
+};
+inline bool LeadsOnRank(const int32_t* slots, int64_t k, const RankSlots& rank) {
+  for (int64_t j = 0; j < k; ++j)
+    if (rank.Holds(slots[j])) return false;
+  return true;
+}
+
+// A token's kept pairs grouped by owning rank: ranks ascending, k ascending
+// within a rank (the order combine sums in). One per thread, reused token
+// after token.
+struct TokenGroups {
+  struct Pair {
+    int32_t owner, k;
+  };
+  std::vector<Pair> pairs;
+  std::vector<int32_t> group_end;  // group g is pairs [group_end[g-1], group_end[g])
+
+  void Build(const int32_t* slots, int64_t k_top, int64_t slots_per_rank) {
+    pairs.clear();
+    group_end.clear();
+    for (int64_t k = 0; k < k_top; ++k) {
+      if (slots[k] < 0) continue;
+      const Pair p{slots[k] / static_cast<int32_t>(slots_per_rank), static_cast<int32_t>(k)};
+      size_t i = pairs.size();  // insertion sort by owner, stable in k: K is small
+      pairs.push_back(p);
+      while (i > 0 && pairs[i - 1].owner > p.owner) {
+        pairs[i] = pairs[i - 1];
+        --i;
+      }
+      pairs[i] = p;
+    }
+    for (size_t i = 1; i <= pairs.size(); ++i)
+      if (i == pairs.size() || pairs[i].owner != pairs[i - 1].owner) group_end.push_back(static_cast<int32_t>(i));
+  }
+};
+
+// Combine's partial of pairs [begin, end) of a token's group (pairs on one
+// rank, k ascending): part = 0 + sum of w[k] * row of pair k, in the
+// accumulation type. `rows`: the owning rank's expert rows.
+template <typename T, typename A>
+void SumGroup(DType dtype, A* part, int64_t h, const TokenGroups& groups, int32_t begin, int32_t end,
+              const int32_t* token_slots, const A* token_w, const T* rows, int64_t slots_per_rank) {
+  std::fill(part, part + h, A(0));
+  for (int32_t i = begin; i < end; ++i) {
+    const int32_t k = groups.pairs[i].k;
+    AxpyRow(dtype, part, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]), h);
+  }
+}
+
+// Direct mode's combine of one token group [begin, end) (its pairs on one
+// rank): acc += w * row for a group of one pair (its row crosses as it is
+// and is weighted on arrival), acc += the partial rounded to T for more
+// (summed on the owning rank; one row crosses), its last pair added in the
+// pass that rounds it. `part`: scratch of h.
+template <typename T, typename A>
+void AddGroup(DType dtype, A* acc, A* part, int64_t h, const TokenGroups& groups, int32_t begin,
+              int32_t end, const int32_t* token_slots, const A* token_w, const T* rows,
+              int64_t slots_per_rank) {
+  const int32_t last_k = groups.pairs[end - 1].k;
+  const T* last_row = rows + (token_slots[last_k] % slots_per_rank) * h;
+  if (end - begin == 1) {
+    AxpyRow(dtype, acc, last_row, static_cast<double>(token_w[last_k]), h);
+    return;
+  }
+  SumGroup<T, A>(dtype, part, h, groups, begin, end - 1, token_slots, token_w, rows, slots_per_rank);
+  AxpyAddRoundedRow(dtype, acc, part, last_row, static_cast<double>(token_w[last_k]), h);
+}
+
+// A finished sum stored as a row of T: the ISA's vector kernel, except for
+// float16, whose NaN payloads only the compiler's conversion keeps.
+template <typename T, typename A>
+void StoreRow(DType dtype, T* out, const A* acc, int64_t h) {
+  if constexpr (std::is_same_v<T, _Float16>) {
+    for (int64_t j = 0; j < h; ++j) out[j] = Narrow<T>(acc[j]);
+  } else {
+    NarrowRow(dtype, out, acc, h);
+  }
+}
+
+// Asks the cache for a token's expert rows before they are summed: they
+// sit on the owning ranks at random rows, and the sum otherwise waits on
+// each row's loads (perf: most of the combine's time was on those loads).
+// `rows_of[r]`: rank r's expert rows; slots -1 (dropped) are skipped, and
+// with `leads_only` so are those a lower k leads on the same rank.
+inline void PrefetchTokenRows(const int32_t* token_slots, int64_t k_top, int64_t slots_per_rank,
+                              const void* const* rows_of, int64_t row_bytes, bool leads_only = false) {
+  for (int64_t k = 0; k < k_top; ++k) {
+    const int32_t slot = token_slots[k];
+    if (slot < 0) continue;
+    const int32_t owner = slot / static_cast<int32_t>(slots_per_rank);
+    if (leads_only && !LeadsOnRank(token_slots, k, RankSlots(owner, slots_per_rank))) continue;
+    const char* row = static_cast<const char*>(rows_of[owner]) + (slot - owner * slots_per_rank) * row_bytes;
+    // Into every cache level (prefetcht0): measured faster than into L2
+    // only, for float32 rows too (a token's rows then fill ~32 KB). The
+    // empty asm is a side effect: without one GCC deleted these loops and
+    // the calls (a prefetch alone is no effect to it; objdump showed none).
+    for (int64_t line = 0; line < row_bytes; line += 64) {
+      __builtin_prefetch(row + line, 0, 3);
+      asm volatile("");
+    }
+  }
 }
 
 // Calls fn<T>() with T the element type of `dtype` (float dtypes only).
@@ -344,6 +461,9 @@ class RowBuffers {
   }
   void* out(size_t i) const { return staged_ ? out_->data + OutOffset(i) : outs_[i].user; }
   bool direct() const { return !staged_; }
+  // The caller's own buffers (the same as in()/out() in direct mode).
+  const void* user_in(size_t i) const { return ins_[i].user; }
+  void* user_out(size_t i) const { return outs_[i].user; }
   // This rank's share of the op's traffic (sizes the small-op path).
   int64_t bytes() const { return in_bytes_ + out_bytes_; }
 
@@ -534,6 +654,10 @@ struct DispatchRank : RankState {
     int32_t expert;
     int64_t count = 0;
     int64_t next = 0;  // the next row of the expert this rank fills (set by the layout)
+    // Set by the placement phase: the expert's owning rank and its first
+    // row among the owner's slots (one division per expert, not per pair).
+    int32_t owner = 0;
+    int64_t first_row = 0;
   };
   std::vector<Entry> entries;  // in order of first use
 };
@@ -542,6 +666,14 @@ struct DispatchRank : RankState {
 struct DispatchLayout {
   std::vector<int64_t> total;  // [E]: pairs routed to each expert
   std::string error;           // the first rank's bad expert id, if any
+  // [N * slots per rank], by global slot, set for filled slots by the
+  // placement phase: -1 if the slot's pair leads its token on the owning
+  // rank (DeepEP's traffic rule: the token crosses into this row), else the
+  // owner's row of that lead (the row is a local copy of it). Worked out
+  // once here, where each token's pairs are at hand: the exchange then needs
+  // no peer's pair_slot per row (those reads and divisions were most of the
+  // rule's host cost).
+  std::unique_ptr<int32_t[]> lead_row;
 };
 
 }  // namespace
@@ -630,25 +762,50 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
 
     // Phase 1, a task per rank: stage its x in (peers read it next phase),
     // place its pairs in (token, k) order after all pairs of lower ranks,
-    // and tell the owning ranks where each of their rows comes from.
+    // and tell the owning ranks where each of their rows comes from and
+    // whether it leads its token there (layout->lead_row).
+    const int64_t slots_per_rank = el * cap;
+    layout->lead_row.reset(new int32_t[n * slots_per_rank]);  // read only where filled
     Phase place;
     place.count = n;
-    place.run = [ranks, layout, el, cap, pairs](uint64_t rank) {
+    place.run = [ranks, layout, el, cap, pairs, k_top = p.topk, slots_per_rank](uint64_t rank) {
       DispatchRank& me = *ranks[rank];
       me.rows.StageIn();
+      for (DispatchRank::Entry& entry : me.entries) {
+        entry.owner = static_cast<int32_t>(entry.expert / el);
+        entry.first_row = (entry.expert % el) * cap;
+      }
+      // The current token's leads so far: owning rank and its row there. The
+      // thread's scratch, used through a plain pointer (GCC redid the TLS
+      // lookup at each use of the thread_local, even through a reference).
+      struct Lead {
+        int32_t owner, row;
+      };
+      thread_local std::vector<Lead> thread_leads;
+      if (thread_leads.size() < static_cast<size_t>(k_top)) thread_leads.resize(k_top);
+      Lead* const leads = thread_leads.data();
       int32_t drops = 0;
       const int64_t first_pair = static_cast<int64_t>(rank) * pairs;
-      for (int64_t i = 0; i < pairs; ++i) {
-        DispatchRank::Entry& entry = me.entries[me.pair_slot[i]];
-        const int32_t e = entry.expert;
-        const int64_t row = entry.next++;
-        if (row >= cap) {
-          me.pair_slot[i] = -1;
-          drops++;
-          continue;
+      int32_t* lead_row = layout->lead_row.get();
+      for (int64_t token_first = 0; token_first < pairs; token_first += k_top) {
+        int64_t num_leads = 0;
+        for (int64_t i = token_first; i < token_first + k_top; ++i) {
+          DispatchRank::Entry& entry = me.entries[me.pair_slot[i]];
+          const int64_t row = entry.next++;
+          if (row >= cap) {
+            me.pair_slot[i] = -1;
+            drops++;
+            continue;
+          }
+          me.pair_slot[i] = static_cast<int32_t>(entry.expert * cap + row);
+          const int32_t owner = entry.owner, owner_row = static_cast<int32_t>(entry.first_row + row);
+          int32_t lead = -1;  // the token's kept pair of lowest k on the owner leads
+          for (int64_t j = 0; j < num_leads && lead < 0; ++j)
+            if (leads[j].owner == owner) lead = leads[j].row;
+          if (lead < 0) leads[num_leads++] = {owner, owner_row};
+          lead_row[owner * slots_per_rank + owner_row] = lead;
+          ranks[owner]->slot_source[owner_row] = static_cast<int32_t>(first_pair + i);
         }
-        me.pair_slot[i] = static_cast<int32_t>(e * cap + row);
-        ranks[e / el]->slot_source[(e % el) * cap + row] = static_cast<int32_t>(first_pair + i);
       }
       *me.dropped = drops;
       for (int64_t l = 0; l < el; ++l) {
@@ -659,40 +816,77 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
     };
     phases.push_back(std::move(place));
 
-    // Phase 2: every row moves once, source x -> owner's recv_x (DMA work of
-    // the owning NPU), in tasks of runs of expert rows.
+    // Phase 2: each (token, destination rank) pair crosses once, source x ->
+    // the owner's row of the pair that leads it there (DMA work of the owning
+    // NPU), in tasks of runs of expert rows; the token's other rows on that
+    // rank are local copies of the lead row. In direct mode the host writes
+    // every row from the source row (each task its own rows, in order; the
+    // source row is in cache): the stats count what the modeled machine
+    // moves (the lead crossing, the others local copies), not the host's
+    // copies. buffer_centric receives only the leads in the comm buffer and
+    // fans out while staging out.
     Phase exchange;
     const ExpertTasks tasks(p, rb);
     exchange.count = tasks.count(n);
-    exchange.run = [p, tasks, ranks, ptrs = PtrTable(s), devices = s.devices, pairs, rb,
-                    direct](uint64_t i) {
+    exchange.run = [p, tasks, ranks, layout, ptrs = PtrTable(s), devices = s.devices, pairs, rb,
+                    slots_per_rank, direct](uint64_t i) {
       const ExpertTasks::Task task = tasks.at(i);
       char* out = static_cast<char*>(ptrs[task.rank][kRecv]);
       const int32_t* sources = ranks[task.rank]->slot_source;
-      int64_t moved = 0, zeroed = 0;
+      const int32_t* lead_row = layout->lead_row.get() + task.rank * slots_per_rank;
+      int64_t moved = 0, zeroed = 0, fanned = 0;
       for (int64_t row = task.first_row; row < task.end_row; ++row) {
         const int32_t src = sources[row];
         if (src < 0) {
-          std::memset(out + row * rb, 0, rb);
-          zeroed += rb;
+          if (direct) {  // buffer_centric zeroes the user's row while staging out
+            std::memset(out + row * rb, 0, rb);
+            zeroed += rb;
+          }
           continue;
         }
+        const bool leads = lead_row[row] < 0;
+        if (!leads && !direct) continue;  // filled from its lead while staging out
         const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk;
         std::memcpy(out + row * rb, static_cast<const char*>(ptrs[src_rank][kX]) + token * rb, rb);
-        moved += rb;
+        (leads ? moved : fanned) += rb;
       }
       Stats& stats = GlobalStats();
       const bool sdma = MoeDispatchOnSdma(p);
       const int lanes = sdma ? p.engines : p.cores;
-      if (moved + zeroed > 0)
+      if (moved + zeroed + fanned > 0)
         stats.AddLaneBytes(sdma, devices[task.rank], static_cast<int>(task.chunk % lanes), lanes,
-                           2 * moved + zeroed);
+                           2 * (moved + fanned) + zeroed);
       stats.AddExchanged(moved, direct);
+      stats.AddLocal(fanned);
     };
     phases.push_back(std::move(exchange));
     // Results leave the comm buffers only once every row has arrived; no
     // rank completes (letting XLA reuse its x) while a peer may still read it.
-    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
+    // Each lead row is staged out once and fanned out in the user's recv_x.
+    if (!direct) {
+      Phase stage_out;
+      stage_out.count = n;
+      stage_out.run = [ranks, layout, rb, slots_per_rank](uint64_t rank) {
+        const DispatchRank& me = *ranks[rank];
+        const char* staged = static_cast<const char*>(me.rows.out(0));
+        char* out = static_cast<char*>(me.rows.user_out(0));
+        const int32_t* lead_row = layout->lead_row.get() + rank * slots_per_rank;
+        int64_t copied = 0, fanned = 0;
+        for (int64_t row = 0; row < slots_per_rank; ++row) {
+          if (me.slot_source[row] < 0) {
+            std::memset(out + row * rb, 0, rb);
+            continue;
+          }
+          const int32_t lead = lead_row[row];
+          std::memcpy(out + row * rb, staged + (lead < 0 ? row : lead) * rb, rb);
+          (lead < 0 ? copied : fanned) += rb;
+        }
+        Stats& stats = GlobalStats();
+        stats.bytes_staged += copied;
+        stats.AddLocal(fanned);
+      };
+      phases.push_back(std::move(stage_out));
+    }
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));
@@ -724,52 +918,181 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;
     const int64_t h = p.hidden, k_top = p.topk, rb = p.row_bytes();
-    const int64_t slots_per_rank = p.local_experts() * p.capacity, all_slots = n * slots_per_rank;
+    const int64_t slots_per_rank = p.local_experts() * p.capacity;
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     const bool direct = ranks[0]->rows.direct();
     std::vector<Phase> phases;
-    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
 
-    // Each token's weighted sum runs on its own rank's cores, reading the
-    // expert rows straight from their owners.
-    Phase combine;
+    // y[t] = from zero, over the ranks r holding t's pairs, ascending, in the
+    // accumulation type: w * expert row if r holds one of t's pairs (the row
+    // crosses as it is), else r's partial, the sum of w * row over t's pairs
+    // on r in k order, rounded to the rows' dtype (the one row that crosses
+    // back); y is that rounded to the rows' dtype. Same order in both modes
+    // and in moe.py's references.
     const TokenTasks tasks(p);
-    combine.count = tasks.count(n);
     WithFloatType(p.dtype, [&](auto tag) {
       using T = decltype(tag);
       using A = typename AccOf<T>::type;
-      combine.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb, slots_per_rank,
-                     all_slots, direct](uint64_t i) {
+      if (direct) {
+        // One pass on the token's rank: each partial is summed from its
+        // owner's rows and added at once (the owner's reduction, fused).
+        // Every token row starts from zero.
+        Phase combine;
+        combine.count = tasks.count(n);
+        combine.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
+                       slots_per_rank](uint64_t i) {
+          const TokenTasks::Task task = tasks.at(i);
+          const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
+          const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
+          T* out = static_cast<T*>(ptrs[task.rank][kY]);
+          // The thread's scratch (one per task was an allocation), used
+          // through plain pointers: GCC redoes the TLS lookup at each use of
+          // a thread_local, even through a reference.
+          thread_local std::vector<A> thread_acc, thread_part;
+          thread_local TokenGroups thread_groups;
+          thread_local std::vector<const void*> thread_rows_of;
+          thread_acc.resize(h);
+          thread_part.resize(h);
+          thread_rows_of.resize(p.group_size);
+          A* const acc = thread_acc.data();
+          A* const part = thread_part.data();
+          TokenGroups& groups = thread_groups;
+          const void** const rows_of = thread_rows_of.data();  // each owner's expert rows
+          for (int r = 0; r < p.group_size; ++r) rows_of[r] = ptrs[r][kEy];
+          int64_t rows = 0, crossed = 0;
+          if (task.first < task.end)
+            PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of, rb);
+          for (int64_t t = task.first; t < task.end; ++t) {
+            const int32_t* token_slots = slots + t * k_top;
+            if (t + 1 < task.end)
+              PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of, rb);
+            groups.Build(token_slots, k_top, slots_per_rank);
+            std::fill(acc, acc + h, A(0));
+            int32_t begin = 0;
+            for (const int32_t end : groups.group_end) {
+              const T* owner_rows = static_cast<const T*>(ptrs[groups.pairs[begin].owner][kEy]);
+              AddGroup<T, A>(p.dtype, acc, part, h, groups, begin, end, token_slots,
+                             w + t * k_top, owner_rows, slots_per_rank);
+              rows += end - begin;
+              crossed += rb;
+              begin = end;
+            }
+            StoreRow<T, A>(p.dtype, out + t * h, acc, h);
+          }
+          Stats& stats = GlobalStats();
+          const int64_t touched = (rows + (task.end - task.first)) * rb;
+          if (touched > 0)
+            stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores),
+                               p.cores, touched);
+          stats.AddExchanged(crossed, true);
+          stats.AddLocal(rows * rb);
+        };
+        phases.push_back(std::move(combine));
+        return;
+      }
+      // buffer_centric: each owner stages in only what crosses (one row per
+      // (token, rank): the expert row or the rounded partial, at the row of
+      // the pair that leads the token there), peers then read those. The comm buffer holds expert_y's rows, so the
+      // partials fit. A phase per step: every partial is in before any is read.
+      Phase reduce;
+      reduce.count = tasks.count(n);
+      reduce.run = [p, tasks, ranks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
+                    slots_per_rank](uint64_t i) {
+        const TokenTasks::Task task = tasks.at(i);
+        const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
+        const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
+        thread_local std::vector<A> thread_part;  // the thread's scratch
+        thread_local TokenGroups thread_groups;
+        thread_local std::vector<const void*> thread_rows_of;
+        std::vector<A>& part = thread_part;
+        TokenGroups& groups = thread_groups;
+        std::vector<const void*>& rows_of = thread_rows_of;  // the owners' own expert rows
+        part.resize(h);
+        rows_of.resize(p.group_size);
+        for (int r = 0; r < p.group_size; ++r) rows_of[r] = ranks[r]->rows.user_in(0);
+        if (task.first < task.end)
+          PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of.data(), rb);
+        int64_t rows = 0, staged = 0;
+        for (int64_t t = task.first; t < task.end; ++t) {
+          const int32_t* token_slots = slots + t * k_top;
+          if (t + 1 < task.end)
+            PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of.data(), rb);
+          groups.Build(token_slots, k_top, slots_per_rank);
+          int32_t begin = 0;
+          for (const int32_t end : groups.group_end) {
+            const int32_t owner = groups.pairs[begin].owner;
+            const T* owner_rows = static_cast<const T*>(ranks[owner]->rows.user_in(0));
+            const int64_t lead_row = token_slots[groups.pairs[begin].k] % slots_per_rank;
+            T* lead = static_cast<T*>(ptrs[owner][kEy]) + lead_row * h;
+            if (end - begin == 1) {  // the row itself, weighted on arrival
+              std::memcpy(lead, owner_rows + lead_row * h, rb);
+            } else {
+              SumGroup<T, A>(p.dtype, part.data(), h, groups, begin, end, token_slots, w + t * k_top,
+                             owner_rows, slots_per_rank);
+              StoreRow<T, A>(p.dtype, lead, part.data(), h);
+            }
+            rows += end - begin;
+            staged += rb;
+            begin = end;
+          }
+        }
+        Stats& stats = GlobalStats();
+        if (rows > 0)
+          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores), p.cores,
+                             rows * rb + staged);
+        stats.bytes_staged += staged;
+        stats.AddLocal(rows * rb);
+      };
+      phases.push_back(std::move(reduce));
+      Phase sum;
+      sum.count = tasks.count(n);
+      sum.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
+                 slots_per_rank](uint64_t i) {
         const TokenTasks::Task task = tasks.at(i);
         const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
         const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
         T* out = static_cast<T*>(ptrs[task.rank][kY]);
-        thread_local std::vector<A> acc;  // the thread's: one per task was an allocation
+        thread_local std::vector<A> thread_acc;  // the thread's scratch
+        thread_local TokenGroups thread_groups;
+        thread_local std::vector<const void*> thread_rows_of;
+        std::vector<A>& acc = thread_acc;
+        TokenGroups& groups = thread_groups;
+        std::vector<const void*>& rows_of = thread_rows_of;  // the owners' comm buffers
         acc.resize(h);
-        int64_t rows = 0;
+        rows_of.resize(p.group_size);
+        for (int r = 0; r < p.group_size; ++r) rows_of[r] = ptrs[r][kEy];
+        if (task.first < task.end)
+          PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of.data(), rb, true);
+        int64_t crossed = 0;
         for (int64_t t = task.first; t < task.end; ++t) {
+          const int32_t* token_slots = slots + t * k_top;
+          if (t + 1 < task.end)
+            PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of.data(), rb, true);
+          groups.Build(token_slots, k_top, slots_per_rank);
           std::fill(acc.begin(), acc.end(), A(0));
-          for (int64_t k = 0; k < k_top; ++k) {
-            const int64_t slot = slots[t * k_top + k];
-            if (slot < 0) continue;  // dropped (values were checked before joining)
-            const T* row = static_cast<const T*>(ptrs[slot / slots_per_rank][kEy]) +
-                           (slot % slots_per_rank) * h;
-            AxpyRow(p.dtype, acc.data(), row, static_cast<double>(w[t * k_top + k]), h);
-            rows++;
+          int32_t begin = 0;
+          for (const int32_t end : groups.group_end) {
+            const int32_t owner = groups.pairs[begin].owner, lead_k = groups.pairs[begin].k;
+            const T* staged = static_cast<const T*>(ptrs[owner][kEy]) + (token_slots[lead_k] % slots_per_rank) * h;
+            // One pair: its row, weighted here; more: their rounded partial (x 1 is exact).
+            const double weight = end - begin == 1 ? static_cast<double>(w[t * k_top + lead_k]) : 1.0;
+            AxpyRow(p.dtype, acc.data(), staged, weight, h);
+            crossed += rb;
+            begin = end;
           }
-          for (int64_t j = 0; j < h; ++j) out[t * h + j] = Narrow<T>(acc[j]);
+          StoreRow<T, A>(p.dtype, out + t * h, acc.data(), h);
         }
         Stats& stats = GlobalStats();
-        const int64_t touched = (rows + (task.end - task.first)) * rb;
+        const int64_t touched = crossed + (task.end - task.first) * rb;
         if (touched > 0)
-          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores),
-                             p.cores, touched);
-        stats.AddExchanged(rows * rb, direct);
+          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores), p.cores,
+                             touched);
+        stats.AddExchanged(crossed, false);
       };
+      phases.push_back(std::move(sum));
+      phases.push_back(StagePhase(ranks, /*in=*/false));
     });
-    phases.push_back(std::move(combine));
-    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));
@@ -844,7 +1167,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;
     const int64_t h = p.hidden, k_top = p.topk, rb = p.row_bytes(), pairs = p.tokens * p.topk;
-    const int64_t slots_per_rank = p.local_experts() * p.capacity, all_slots = n * slots_per_rank;
+    const int64_t slots_per_rank = p.local_experts() * p.capacity;
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     // In range is not enough: the two fields must describe one layout, or a
@@ -857,66 +1180,72 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
     std::vector<Phase> phases;
     if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
 
-    // Two independent task families in one phase: expert rows get the
-    // weighted cotangent of the token that filled them (scatter, like
-    // dispatch); each (token, k) gets its dot product with the expert row.
+    // Two independent task families in one phase. Expert rows: ct_y[t]
+    // crosses once per (token, rank), to the row of the pair that leads the
+    // token there; that row's task then serves every pair of t on the rank:
+    // d_expert_y = w * ct_y for its row and d_weights = <ct_y, expert row>
+    // computed there, only the scalar going back. Token tasks zero the
+    // d_weights of dropped pairs. Each output element has one writer.
     Phase backward;
     const ExpertTasks rows_tasks(p, rb);
     const TokenTasks token_tasks(p);
     const uint64_t first_token_task = rows_tasks.count(n);
     backward.count = first_token_task + token_tasks.count(n);
+    const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
     WithFloatType(p.dtype, [&](auto tag) {
       using T = decltype(tag);
       using A = typename AccOf<T>::type;
       backward.run = [p, rows_tasks, token_tasks, first_token_task, ptrs = PtrTable(s),
-                      devices = s.devices, h, k_top, rb, slots_per_rank, all_slots, pairs,
+                      devices = s.devices, h, k_top, rb, slots_per_rank, pairs, wsize,
                       direct](uint64_t i) {
-        int64_t moved = 0, touched = 0;
+        int64_t crossed = 0, local = 0, touched = 0;
         int npu = 0, lane = 0;
         if (i < first_token_task) {
           const ExpertTasks::Task task = rows_tasks.at(i);
-          T* out = static_cast<T*>(ptrs[task.rank][kDEy]);
+          const RankSlots mine(task.rank, slots_per_rank);
+          T* d_ey = static_cast<T*>(ptrs[task.rank][kDEy]);
+          const T* ey = static_cast<const T*>(ptrs[task.rank][kEy]);
           const int32_t* sources = static_cast<const int32_t*>(ptrs[task.rank][kSlotSource]);
           for (int64_t row = task.first_row; row < task.end_row; ++row) {
             const int32_t src = sources[row];
             if (src < 0) {
-              std::fill(out + row * h, out + (row + 1) * h, Narrow<T>(A(0)));
+              std::fill(d_ey + row * h, d_ey + (row + 1) * h, Narrow<T>(A(0)));
               touched += rb;
               continue;
             }
-            const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top;
-            const A w = static_cast<const A*>(ptrs[src_rank][kW])[pair];
-            Scale(out + row * h, static_cast<const T*>(ptrs[src_rank][kCt]) + token * h, w, h);
-            moved += rb;
-            touched += 2 * rb;
+            const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top, k = pair % k_top;
+            const int32_t* token_slots = static_cast<const int32_t*>(ptrs[src_rank][kPairSlot]) + token * k_top;
+            if (!LeadsOnRank(token_slots, k, mine)) continue;  // served by its lead
+            const T* ct = static_cast<const T*>(ptrs[src_rank][kCt]) + token * h;
+            const A* w = static_cast<const A*>(ptrs[src_rank][kW]) + token * k_top;
+            A* dw = static_cast<A*>(ptrs[src_rank][kDW]) + token * k_top;
+            crossed += rb;
+            for (int64_t j = k; j < k_top; ++j) {
+              const int32_t slot = token_slots[j];
+              if (!mine.Holds(slot)) continue;
+              const int64_t r = slot - mine.first;
+              Scale(d_ey + r * h, ct, w[j], h);
+              dw[j] = Dot<T, A>(ct, ey + r * h, h);
+              crossed += wsize;
+              if (j > k) local += rb;  // the received ct_y row, reused
+              touched += 4 * rb;
+            }
           }
           npu = devices[task.rank];
           lane = static_cast<int>(task.chunk % p.cores);
         } else {
           const TokenTasks::Task task = token_tasks.at(i - first_token_task);
           const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kPairSlot]);
-          const T* ct = static_cast<const T*>(ptrs[task.rank][kCt]);
           A* dw = static_cast<A*>(ptrs[task.rank][kDW]);
-          for (int64_t t = task.first; t < task.end; ++t) {
-            for (int64_t k = 0; k < k_top; ++k) {
-              const int64_t slot = slots[t * k_top + k];
-              if (slot < 0) {
-                dw[t * k_top + k] = 0;
-                continue;
-              }
-              const T* row = static_cast<const T*>(ptrs[slot / slots_per_rank][kEy]) +
-                             (slot % slots_per_rank) * h;
-              dw[t * k_top + k] = Dot<T, A>(ct + t * h, row, h);
-              moved += rb;
-              touched += 2 * rb;
-            }
-          }
+          for (int64_t pair = task.first * k_top; pair < task.end * k_top; ++pair)
+            if (slots[pair] < 0) dw[pair] = 0;
           npu = devices[task.rank];
           lane = static_cast<int>(task.chunk % p.cores);
         }
         Stats& stats = GlobalStats();
         if (touched > 0) stats.AddLaneBytes(false, npu, lane, p.cores, touched);
-        stats.AddExchanged(moved, direct);
+        stats.AddExchanged(crossed, direct);
+        stats.AddLocal(local);
       };
     });
     phases.push_back(std::move(backward));

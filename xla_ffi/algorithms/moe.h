@@ -2,8 +2,11 @@
 // and the weighted combine back. E experts are spread evenly over the group
 // (rank r owns experts [r*E_local, (r+1)*E_local)); each local expert has
 // `capacity` rows. The layout is computed from every rank's routing when the
-// group meets, and each routed row then moves once, between user buffers, as
-// a job of the host worker pool (runtime/executor.h).
+// group meets; the rows then move between user buffers as a job of the host
+// worker pool (runtime/executor.h), by DeepEP's traffic rule: a token crosses
+// to a rank once, however many of its experts live there (into the row of
+// its pair with the lowest k on that rank), and is copied to its other rows
+// there; combine sums a token's rows on their rank and one row crosses back.
 //
 // Layout encodings shared by the ops (all int32):
 //   pair_slot[t*K+k]  (source side) = e*capacity + row, the global slot of
@@ -78,7 +81,10 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
                       void* recv_x, int32_t* pair_slot, int32_t* slot_source, int32_t* recv_counts,
                       int32_t* dropped, MoeDone done);
 
-// y[t] = sum_k weights[t, k] * expert_y[slot of (t, k)], dropped pairs adding 0.
+// y[t] = sum_k weights[t, k] * expert_y[slot of (t, k)], dropped pairs adding 0,
+// in a fixed order (accumulation type, from zero): per rank holding t's
+// pairs, ascending, w * row if it holds one of them, else the sum of its
+// pairs' w * row in k order rounded to the rows' dtype; then rounded into y.
 // Layout operands (pair_slot, slot_source) come from a DispatchHandle the
 // user may have changed: every value is checked before it indexes a buffer,
 // and one out of range is an error naming the op, the rank and the value.

@@ -79,6 +79,7 @@ nb::dict GetStats() {
   d["bytes_direct"] = s.bytes_direct.load();
   d["bytes_staged"] = s.bytes_staged.load();
   d["bytes_exchanged"] = s.bytes_exchanged.load();
+  d["bytes_local"] = s.bytes_local.load();
   d["registrations"] = s.registrations.load();
   d["bytes_registered"] = s.bytes_registered.load();
   d["registry_lookups"] = s.registry_lookups.load();

@@ -478,22 +478,36 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
   if (n < 1 || s.experts % n != 0) throw std::invalid_argument("num_experts must be a multiple of the ranks");
   if (static_cast<int>(pair_slot.size()) != n) throw std::invalid_argument("one routing per rank");
   const int64_t el = s.experts / n, cap = s.capacity, slots_per_rank = el * cap;
-  const int64_t rb = s.row_bytes, pairs = s.tokens * s.topk;
+  const int64_t rb = s.row_bytes, pairs = s.tokens * s.topk, wb = s.weight_bytes;
   Program prog;
   prog.num_ranks = n;
   prog.cores = s.cores;
   prog.engines = s.engines;
   prog.sync_end = !s.buffer_centric;
 
-  // The expert side: which (rank, token) filled each slot of each rank.
+  // The expert side: which (rank, token) filled each slot of each rank, and
+  // how many of the token's pairs on that rank the slot serves: the pair with
+  // the lowest k leads the token there (DeepEP's rule, as the runtime's
+  // LeadsOnRank) and serves them all; the others serve 0. Only leads cross.
   std::vector<std::vector<int64_t>> source(n, std::vector<int64_t>(slots_per_rank, -1));
+  std::vector<std::vector<int32_t>> serves(n, std::vector<int32_t>(slots_per_rank, 0));
+  std::vector<int64_t> filled(n, 0);
   for (int r = 0; r < n; ++r) {
     if (static_cast<int64_t>(pair_slot[r].size()) != pairs) throw std::invalid_argument("routing has the wrong size");
     for (int64_t i = 0; i < pairs; ++i) {
       const int32_t slot = pair_slot[r][i];
       if (slot < 0) continue;
       if (slot >= n * slots_per_rank) throw std::invalid_argument("slot outside the experts' capacity");
-      source[slot / slots_per_rank][slot % slots_per_rank] = static_cast<int64_t>(r) * s.tokens + i / s.topk;
+      const int64_t owner = slot / slots_per_rank, first = i - i % s.topk;
+      source[owner][slot % slots_per_rank] = static_cast<int64_t>(r) * s.tokens + i / s.topk;
+      filled[owner]++;
+      int64_t lead = i;
+      for (int64_t j = first; j < i; ++j)
+        if (pair_slot[r][j] >= 0 && pair_slot[r][j] / slots_per_rank == owner) {
+          lead = j;
+          break;
+        }
+      serves[owner][pair_slot[r][lead] % slots_per_rank]++;
     }
   }
 
@@ -502,29 +516,39 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
                                                           m.sdma_descriptor_us, m.sdma_gbps);
   const LaneKind kind = dispatch_sdma ? kSdma : kCore;
   const int lanes = dispatch_sdma ? s.engines : s.cores;
-  // Scratch: bytes and rows (one message each: rows of a peer are not
-  // contiguous there) per peer rank inside one task.
-  std::vector<int64_t> per_rank(n, 0), per_rank_msgs(n, 0);
+  // Scratch: bytes and messages (rows of a peer are not contiguous there)
+  // per rank inside one task, read and written.
+  std::vector<int64_t> read_bytes(n, 0), read_msgs(n, 0), write_bytes(n, 0), write_msgs(n, 0);
   std::vector<int> peers;
+  auto touch = [&](int r) {
+    if (read_bytes[r] == 0 && write_bytes[r] == 0) peers.push_back(r);
+  };
+  auto read = [&](int r, int64_t bytes) {
+    touch(r);
+    read_bytes[r] += bytes;
+    read_msgs[r] += 1;
+  };
+  // A write that lands the row a read fetched is part of that message
+  // (msgs 0); a task's own rows are written as one more message.
+  auto write = [&](int r, int64_t bytes, int64_t msgs = 0) {
+    touch(r);
+    write_bytes[r] += bytes;
+    write_msgs[r] += msgs;
+  };
   auto flush = [&](ModelPhase& ph, ModelPiece& piece) {
     for (int r : peers) {
-      ph.io.push_back({r, 0, per_rank[r], per_rank_msgs[r]});
-      per_rank[r] = 0;
-      per_rank_msgs[r] = 0;
+      if (read_bytes[r] > 0) ph.io.push_back({r, 0, read_bytes[r], read_msgs[r]});
+      if (write_bytes[r] > 0) ph.io.push_back({r, 1, write_bytes[r], std::max<int64_t>(1, write_msgs[r])});
+      read_bytes[r] = read_msgs[r] = write_bytes[r] = write_msgs[r] = 0;
     }
     peers.clear();
     piece.io_end = static_cast<uint32_t>(ph.io.size());
     if (piece.io_end > piece.io_begin) ph.pieces.push_back(piece);
   };
-  auto read = [&](int r, int64_t bytes) {
-    if (per_rank[r] == 0) peers.push_back(r);
-    per_rank[r] += bytes;
-    per_rank_msgs[r] += 1;
-  };
 
-  // Expert-row tasks (dispatch on SDMA; the backward's scatter on cores):
-  // rows of one local expert, about kMoeTaskBytes per task, lane = task % lanes.
-  auto expert_tasks = [&](ModelPhase& ph, int task_lanes, int64_t extra_read_per_row) {
+  // Expert-row tasks: rows of one local expert, about kMoeTaskBytes per task,
+  // lane = task % lanes; `row_work(o, slot, src_rank)` adds a filled row's io.
+  auto expert_tasks = [&](ModelPhase& ph, int task_lanes, auto&& row_work) {
     const int64_t rows_per_task = std::max<int64_t>(1, kMoeTaskBytes / std::max<int64_t>(1, rb));
     const int64_t chunks = (cap + rows_per_task - 1) / rows_per_task;
     for (int o = 0; o < n; ++o)
@@ -535,17 +559,16 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
           piece.lane = static_cast<int32_t>((l * chunks + ch) % task_lanes);
           piece.io_begin = static_cast<uint32_t>(ph.io.size());
           const int64_t r0 = ch * rows_per_task, r1 = std::min(cap, r0 + rows_per_task);
-          for (int64_t row = r0; row < r1; ++row) {
-            const int64_t src = source[o][l * cap + row];
-            if (src >= 0) read(static_cast<int>(src / s.tokens), rb + extra_read_per_row);
+          for (int64_t row = l * cap + r0; row < l * cap + r1; ++row) {
+            const int64_t src = source[o][row];
+            if (src >= 0) row_work(o, row, static_cast<int>(src / s.tokens));
+            else if (op == 2 || (op == 0 && !s.buffer_centric)) write(o, rb);  // zeroed (buffer_centric dispatch: when staging out)
           }
-          ph.io.push_back({o, 1, (r1 - r0) * rb});
           flush(ph, piece);
         }
   };
-  // Token tasks (combine, and the backward's dot products) on cores: each
-  // token reads its K expert rows from their owners.
-  auto token_tasks = [&](ModelPhase& ph, int64_t write_per_token) {
+  // Token tasks on cores: `token_work(r, t)` adds the io of token t of rank r.
+  auto token_tasks = [&](ModelPhase& ph, auto&& token_work) {
     const int64_t per_task = std::max<int64_t>(1, kMoeTaskBytes / std::max<int64_t>(1, s.topk * rb));
     const int64_t chunks = (s.tokens + per_task - 1) / per_task;
     for (int r = 0; r < n; ++r)
@@ -555,53 +578,123 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
         piece.lane = static_cast<int32_t>(ch % s.cores);
         piece.io_begin = static_cast<uint32_t>(ph.io.size());
         const int64_t t0 = ch * per_task, t1 = std::min(s.tokens, t0 + per_task);
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t k = 0; k < s.topk; ++k) {
-            const int32_t slot = pair_slot[r][t * s.topk + k];
-            if (slot >= 0) read(static_cast<int>(slot / slots_per_rank), rb);
-          }
-        ph.io.push_back({r, 1, (t1 - t0) * write_per_token});
+        for (int64_t t = t0; t < t1; ++t) token_work(r, t);
         flush(ph, piece);
       }
+  };
+  // Token t of rank r's kept pairs: calls fn(owner, pairs there) per owner
+  // rank, once each.
+  std::vector<std::pair<int32_t, int32_t>> owners;  // (rank, pairs), scratch
+  auto for_owners = [&](int r, int64_t t, auto&& fn) {
+    owners.clear();
+    for (int64_t k = 0; k < s.topk; ++k) {
+      const int32_t slot = pair_slot[r][t * s.topk + k];
+      if (slot < 0) continue;
+      const int32_t o = static_cast<int32_t>(slot / slots_per_rank);
+      auto it = std::find_if(owners.begin(), owners.end(), [o](const auto& e) { return e.first == o; });
+      if (it == owners.end()) owners.push_back({o, 1});
+      else it->second++;
+    }
+    for (const auto& [o, count] : owners) fn(o, count);
   };
 
   const int64_t x_bytes = s.tokens * rb, slots_bytes = slots_per_rank * rb;
   int64_t in_bytes = 0, out_bytes = 0;
-  ModelPhase ex;
-  ex.kind = kExchange;
-  ex.lanes = kind;
-  ex.reduce = op != 0;
-  ex.sync_before = true;
+  std::vector<ModelPhase> work;  // the op's phases between staging in and out
   if (op == 0) {
-    expert_tasks(ex, lanes, 0);
+    // A lead row crosses from its source; in strata mode the token's other
+    // rows on the rank are copied from it there (buffer_centric: when
+    // staging out), timed where they lie.
+    ModelPhase ex;
+    ex.kind = kExchange;
+    ex.lanes = kind;
+    ex.sync_before = true;
+    expert_tasks(ex, lanes, [&](int o, int64_t row, int src) {
+      if (serves[o][row] > 0) read(src, rb);
+      else if (!s.buffer_centric) read(o, rb);
+      else return;
+      write(o, rb);
+    });
+    work.push_back(std::move(ex));
     in_bytes = x_bytes;
     out_bytes = slots_bytes;
   } else if (op == 1) {
-    token_tasks(ex, rb);
+    // The owners sum each token's rows on their rank into one partial,
+    // then each token's rank reads one row per owner and adds them. A token
+    // with one pair on a rank needs no partial: its row crosses as it is and
+    // is weighted on arrival (the runtime's order). buffer_centric stages
+    // what crosses in the comm buffer (its staging in): the partials, and
+    // those rows, copied.
+    ModelPhase partials;
+    partials.kind = s.buffer_centric ? kStageIn : kExchange;
+    partials.lanes = kCore;
+    partials.reduce = true;
+    partials.sync_before = true;
+    expert_tasks(partials, s.cores, [&](int o, int64_t row, int src) {
+      const int32_t served = serves[o][row];
+      if (served == 0 || (served == 1 && !s.buffer_centric)) return;
+      read(src, served * wb);  // the pairs' weights, with the token's routing
+      for (int32_t f = 0; f < served; ++f) read(o, rb);
+      write(o, rb);
+    });
+    const bool any_partial = !partials.pieces.empty();
+    if (any_partial) work.push_back(std::move(partials));
+    ModelPhase sum;
+    sum.kind = kExchange;
+    sum.lanes = kCore;
+    sum.reduce = true;
+    sum.sync_before = true;  // every owner's partials are in
+    token_tasks(sum, [&](int r, int64_t t) {
+      for_owners(r, t, [&](int o, int32_t) { read(o, rb); });
+      write(r, rb);
+    });
+    work.push_back(std::move(sum));
     in_bytes = slots_bytes;
     out_bytes = x_bytes;
   } else {
-    expert_tasks(ex, s.cores, s.weight_bytes);
-    token_tasks(ex, s.topk * s.weight_bytes);
-    in_bytes = x_bytes + slots_bytes + pairs * s.weight_bytes;
-    out_bytes = slots_bytes + pairs * s.weight_bytes;
+    // ct_y crosses to a lead row once (with the weights of the token's pairs
+    // there); the lead serves every pair of the token on the rank: w * ct_y
+    // into its row, and <ct_y, expert row> computed there, the scalar written
+    // back.
+    ModelPhase ex;
+    ex.kind = kExchange;
+    ex.lanes = kCore;
+    ex.reduce = true;
+    ex.sync_before = true;
+    expert_tasks(ex, s.cores, [&](int o, int64_t row, int src) {
+      const int32_t served = serves[o][row];
+      if (served == 0) return;
+      read(src, rb + served * wb);
+      for (int32_t f = 0; f < served; ++f) {
+        read(o, rb);
+        write(o, rb);
+      }
+      write(src, served * wb, 1);
+    });
+    work.push_back(std::move(ex));
+    in_bytes = x_bytes + slots_bytes + pairs * wb;
+    out_bytes = slots_bytes + pairs * wb;
   }
   if (s.buffer_centric) {
     if (in_bytes > s.comm_buffer_bytes || out_bytes > s.comm_buffer_bytes)
       throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
-    ModelPhase in;
-    in.kind = kStageIn;
-    in.lanes = kind;
-    for (int r = 0; r < n; ++r) AddLocalCopies(in, r, in_bytes, lanes);
-    prog.phases.push_back(std::move(in));
+    if (op != 1) {  // combine stages in only its partials (above)
+      ModelPhase in;
+      in.kind = kStageIn;
+      in.lanes = kind;
+      for (int r = 0; r < n; ++r) AddLocalCopies(in, r, in_bytes, lanes);
+      prog.phases.push_back(std::move(in));
+    }
   }
-  prog.phases.push_back(std::move(ex));
+  for (ModelPhase& ph : work) prog.phases.push_back(std::move(ph));
   if (s.buffer_centric) {
+    // Dispatch copies out its filled rows (leads, then the fan-out from
+    // them; empty rows are zeroed, not copied: left out).
     ModelPhase out;
     out.kind = kStageOut;
     out.lanes = kind;
     out.sync_before = true;
-    for (int r = 0; r < n; ++r) AddLocalCopies(out, r, out_bytes, lanes);
+    for (int r = 0; r < n; ++r) AddLocalCopies(out, r, op == 0 ? filled[r] * rb : out_bytes, lanes);
     prog.phases.push_back(std::move(out));
   }
   return prog;

@@ -13,6 +13,8 @@ struct IsaEntry {
   const char* name;
   ReduceFn fn;  // nullptr: not built by this compiler / for this target
   AxpyRowFn axpy;
+  AxpyAddRoundedRowFn axpy_add_rounded;
+  NarrowRowFn narrow;
   bool (*supported)();
 };
 
@@ -33,16 +35,16 @@ bool Always() { return true; }
 
 // Narrowest first.
 const IsaEntry kIsas[] = {
-    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &Always},
+    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AxpyAddRoundedRow, &isa_baseline::NarrowRow, &Always},
 #ifdef STRATA_REDUCE_HAVE_AVX2
-    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &CpuHasAvx2},
+    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AxpyAddRoundedRow, &isa_avx2::NarrowRow, &CpuHasAvx2},
 #else
-    {"avx2", nullptr, nullptr, &CpuHasAvx2},
+    {"avx2", nullptr, nullptr, nullptr, nullptr, &CpuHasAvx2},
 #endif
 #ifdef STRATA_REDUCE_HAVE_AVX512
-    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &CpuHasAvx512},
+    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AxpyAddRoundedRow, &isa_avx512::NarrowRow, &CpuHasAvx512},
 #else
-    {"avx512", nullptr, nullptr, &CpuHasAvx512},
+    {"avx512", nullptr, nullptr, nullptr, nullptr, &CpuHasAvx512},
 #endif
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
@@ -125,6 +127,14 @@ AxpyRowFn AxpyRowKernel(const std::string& isa) {
 
 void AxpyRow(DType row_dtype, void* acc, const void* row, double w, int64_t n) {
   g_isa.load(std::memory_order_relaxed)->axpy(row_dtype, acc, row, w, n);
+}
+
+void AxpyAddRoundedRow(DType row_dtype, void* acc, const void* part, const void* row, double w, int64_t n) {
+  g_isa.load(std::memory_order_relaxed)->axpy_add_rounded(row_dtype, acc, part, row, w, n);
+}
+
+void NarrowRow(DType row_dtype, void* out, const void* acc, int64_t n) {
+  g_isa.load(std::memory_order_relaxed)->narrow(row_dtype, out, acc, n);
 }
 
 std::string SetReduceIsa(const std::string& isa) {

@@ -22,5 +22,11 @@ void AxpyRow(DType dtype, void* acc, const void* row, double w, int64_t n) {
   AxpyRowImpl(dtype, acc, row, w, n);
 }
 
+void AxpyAddRoundedRow(DType dtype, void* acc, const void* part, const void* row, double w, int64_t n) {
+  AxpyAddRoundedRowImpl(dtype, acc, part, row, w, n);
+}
+
+void NarrowRow(DType dtype, void* out, const void* acc, int64_t n) { NarrowRowImpl(dtype, out, acc, n); }
+
 }  // namespace isa_avx512
 }  // namespace strata

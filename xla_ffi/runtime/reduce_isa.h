@@ -19,18 +19,26 @@ namespace strata {
 
 using ReduceFn = void (*)(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 using AxpyRowFn = void (*)(DType, void*, const void*, double, int64_t);
+using AxpyAddRoundedRowFn = void (*)(DType, void*, const void*, const void*, double, int64_t);
+using NarrowRowFn = void (*)(DType, void*, const void*, int64_t);
 
 namespace isa_baseline {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
+void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
+void NarrowRow(DType, void*, const void*, int64_t);
 }
 namespace isa_avx2 {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
+void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
+void NarrowRow(DType, void*, const void*, int64_t);
 }
 namespace isa_avx512 {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
+void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
+void NarrowRow(DType, void*, const void*, int64_t);
 }
 
 // The MoE combine's accumulation of one weighted expert row in the chosen
@@ -39,6 +47,16 @@ void AxpyRow(DType, void*, const void*, double, int64_t);
 void AxpyRow(DType row_dtype, void* acc, const void* row, double w, int64_t n);
 // Same, in a named variant (nullptr if unusable; for tests).
 AxpyRowFn AxpyRowKernel(const std::string& isa);
+// The MoE combine's partial sums cross ranks in the rows' dtype: acc[i] +=
+// (part[i] + w * row[i]) narrowed to row_dtype (nearest even) and widened
+// back, the partial's last pair and its rounding fused; acc and part
+// float32 (float64 for F64 rows; then, as for F32, nothing is rounded).
+void AxpyAddRoundedRow(DType row_dtype, void* acc, const void* part, const void* row, double w, int64_t n);
+// The combine's finished sums stored as rows: out[i] = acc[i] rounded to
+// row_dtype (nearest even, NaN quieted), for F32, F64 and BF16 rows (F16
+// rows: the caller's own conversion, whose NaN payloads this one's would
+// not keep).
+void NarrowRow(DType row_dtype, void* out, const void* acc, int64_t n);
 
 // The variant ReduceInto runs now: "baseline", "avx2" or "avx512".
 const char* ReduceIsa();

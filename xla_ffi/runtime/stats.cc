@@ -21,7 +21,7 @@ void Stats::AddLaneBytes(bool sdma, int lanes, const std::vector<LaneBytes>& bat
 }
 
 void Stats::Reset() {
-  for (auto* c : {&ops, &bytes_direct, &bytes_staged, &bytes_exchanged, &registrations,
+  for (auto* c : {&ops, &bytes_direct, &bytes_staged, &bytes_exchanged, &bytes_local, &registrations,
                   &bytes_registered, &registry_lookups, &registry_hits, &registry_misses, &operand_registry_misses, &waits_handed_off,
                   &resumers_blocked})
     c->store(0);

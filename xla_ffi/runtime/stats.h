@@ -12,6 +12,10 @@ struct Stats {
   std::atomic<int64_t> bytes_direct{0};   // moved straight between user buffers
   std::atomic<int64_t> bytes_staged{0};   // copied into or out of comm buffers
   std::atomic<int64_t> bytes_exchanged{0};  // written by transfers, either mode
+  // Copied or reduced within one rank on an op's behalf: MoE dispatch's
+  // fan-out of a received token to more of the rank's experts, combine's sum
+  // of a token's rows from one rank's experts before one row goes back.
+  std::atomic<int64_t> bytes_local{0};
   std::atomic<int64_t> registrations{0};
   std::atomic<int64_t> bytes_registered{0};
   std::atomic<int64_t> registry_lookups{0};
@@ -45,6 +49,9 @@ struct Stats {
     if (bytes <= 0) return;
     bytes_exchanged += bytes;
     if (direct) bytes_direct += bytes;
+  }
+  void AddLocal(int64_t bytes) {
+    if (bytes > 0) bytes_local += bytes;
   }
   void Reset();
 };

@@ -55,11 +55,6 @@ int64_t ExpertIds::At(int64_t i) const {
   }
 }
 
-bool MoeDispatchOnSdma(const MoeParams& p, double descriptor_us, double sdma_gbps) {
-  return MoeDispatchOnSdma(p.tokens, p.row_bytes(), p.local_experts() * p.capacity, p.engines, descriptor_us,
-                           sdma_gbps);
-}
-
 DType MoeWeightDType(DType rows) { return rows == DType::F64 ? DType::F64 : DType::F32; }
 
 bool MoeSupportsCombine(DType rows) {
@@ -72,9 +67,7 @@ constexpr const char* kDispatchName = "strata.moe.dispatch";
 constexpr const char* kCombineName = "strata.moe.combine";
 constexpr const char* kCombineBwdName = "strata.moe.combine (backward)";
 
-// About this many bytes per task: small enough to spread over the host
-// workers and lanes, large enough that claiming tasks is not contended.
-constexpr int64_t kTaskBytes = kMoeTaskBytes;
+constexpr int64_t kTaskBytes = kMoeTaskBytes;  // runtime/moe_shape.h
 
 // ---------------------------------------------------------------------------
 // Row arithmetic. 16-bit rows widen to float32 and round once when stored.

@@ -21,6 +21,7 @@
 
 #include "../runtime/collective.h"
 #include "../runtime/dtypes.h"
+#include "../runtime/moe_shape.h"
 #include "../runtime/observer.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/status.h"
@@ -28,25 +29,11 @@
 namespace strata {
 
 // What the op is; identical on every rank (checked when the group meets).
-// The fields are the shape an observer records (runtime/observer.h).
+// The fields are the shape an observer records (runtime/moe_shape.h).
 struct MoeParams : MoeOpShape {
   std::string Describe(const char* opname) const;
   Signature Sign(const char* opname) const;  // compared at rendezvous; Describe on mismatch
 };
-
-// The runtime's MoE work unit: about this many bytes per task (the
-// supernode model times the same tasks).
-inline constexpr int64_t kMoeTaskBytes = 256 << 10;
-
-// Whether dispatch's expert-row tasks run on the SDMA engines or the vector
-// cores: the collectives' rule (collective.h, MovesOnSdma) over the rank's
-// bytes (its tokens in, its experts' slots out). Runtime and model use it.
-bool MoeDispatchOnSdma(const MoeParams& p, double descriptor_us = kSdmaDescriptorUs,
-                       double sdma_gbps = kSdmaGbps);
-inline bool MoeDispatchOnSdma(int64_t tokens, int64_t row_bytes, int64_t local_slots, int engines,
-                              double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps) {
-  return MovesOnSdma((tokens + local_slots) * row_bytes, engines, descriptor_us, sdma_gbps);
-}
 
 // Who is calling (rank, group, call site, run), as for the collectives.
 using MoeCall = CallSite;

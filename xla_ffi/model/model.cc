@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <utility>
 
-#include "../algorithms/moe.h"
+#include "../runtime/moe_shape.h"
 
 namespace strata::model {
 

@@ -9,6 +9,7 @@
 
 #include "collective.h"
 #include "dtypes.h"
+#include "moe_shape.h"
 #include "rendezvous.h"
 #include "status.h"
 
@@ -16,26 +17,6 @@ namespace strata {
 
 // What the observed op is. The values are the trace records' "kind".
 enum class ObservedOp : int32_t { kCollective = 0, kMoeDispatch = 1, kMoeCombine = 2, kMoeCombineBackward = 3 };
-
-// An MoE op's shape as every rank of its group agrees on it (the fields of
-// algorithms/moe.h's MoeParams, which extends it with the op's rendezvous
-// signature): what an observer needs to time the op again.
-struct MoeOpShape {
-  int32_t group_size = 1;
-  int32_t num_experts = 1;
-  int64_t capacity = 0;
-  int64_t tokens = 0, topk = 0, hidden = 0;  // per rank
-  DType dtype = DType::F32;                   // token / expert rows
-  int32_t cores = 1, engines = 1;
-  // kBufferCentric: the vendor-library baseline. Rows peers read are first
-  // copied into this rank's communication buffer, results are written to one
-  // and copied out (each at most comm_buffer_bytes).
-  Mode mode = Mode::kStrata;
-  int64_t comm_buffer_bytes = 200 << 20;
-
-  int64_t local_experts() const { return num_experts / group_size; }
-  int64_t row_bytes() const { return hidden * static_cast<int64_t>(DTypeSize(dtype)); }
-};
 
 using OpDone = std::function<void(const Status&)>;
 

@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 from . import _config
 from . import _core
 from . import _multiprocess
-# The op modules (and moe.py) reach these as _ffi.*, beside the rest of the machinery.
+# The op modules (and moe/) reach these as _ffi.*, beside the rest of the machinery.
 from ._group import GroupSpec, make_varying, varying_axes  # noqa: F401
 
 # Register every handler once, for the CPU platform (emulated NPUs are CPU devices).

@@ -1,0 +1,149 @@
+"""strata.moe.dispatch: the API, its checks and the op."""
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _ffi
+from .. import _multiprocess as _mp
+from ._across import dispatch_across
+from ._combine import combine_call
+from ._common import DISPATCH, DispatchHandle, weight_dtype, call, varying
+
+def _positive_int(opname, name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{opname}: {name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+_INT32_MAX = (1 << 31) - 1
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_capacity(local_experts, capacity, x, top_k, n):
+    """The handle numbers rows and pairs in int32 (``e * capacity + row``,
+    ``(rank * T + t) * K + k``), and recv_x [E_local, capacity, H] must fit
+    in memory: say which argument breaks that instead of failing to allocate."""
+    tokens, hidden = x.shape
+    if local_experts * capacity > _INT32_MAX:
+        raise ValueError(
+            f"{DISPATCH}: capacity={capacity} gives {local_experts} local experts x {capacity} rows = "
+            f"{local_experts * capacity} rows, past the int32 row ids of the handle ({_INT32_MAX}); at most "
+            f"{n * tokens * top_k} (token, k) pairs of the {n} ranks can reach one expert")
+    if n * tokens * top_k > _INT32_MAX:
+        raise ValueError(f"{DISPATCH}: {n} ranks x {tokens} tokens x top-{top_k} = {n * tokens * top_k} pairs, "
+                         f"past the int32 pair ids of the handle ({_INT32_MAX})")
+    nbytes = local_experts * capacity * hidden * np.dtype(x.dtype).itemsize
+    memory = _host_memory_bytes()
+    if memory is not None and nbytes > memory:
+        raise ValueError(
+            f"{DISPATCH}: capacity={capacity} makes recv_x [E_local={local_experts}, {capacity}, H={hidden}] "
+            f"{nbytes} bytes per rank, more than this host's {memory} bytes of memory; at most "
+            f"{n * tokens * top_k} (token, k) pairs of the {n} ranks can reach one expert")
+
+
+
+def dispatch(x, topk_idx, *, axis_name, num_experts: int, capacity: int):
+    """Sends every (token, k) pair's row of ``x [T, H]`` to the rank owning
+    expert ``topk_idx[t, k]``.
+
+    Returns ``recv_x [E_local, capacity, H]`` (row ``j`` of local expert ``l``
+    is the ``j``-th pair routed to it in (source rank, token, k) order; rows
+    past the count are zero) and a :class:`DispatchHandle` for :func:`combine`.
+    Expert ids outside ``[0, num_experts)`` are an error.
+    """
+    x = jnp.asarray(x)
+    topk_idx = jnp.asarray(topk_idx)
+    _ffi.check_dtype(DISPATCH, x)
+    if x.ndim != 2:
+        raise ValueError(f"{DISPATCH}: x must be [T, H], got shape {x.shape}")
+    if topk_idx.ndim != 2 or topk_idx.shape[0] != x.shape[0]:
+        raise ValueError(f"{DISPATCH}: topk_idx must be [T, K] with T={x.shape[0]}, got shape {topk_idx.shape}")
+    if not jnp.issubdtype(topk_idx.dtype, jnp.integer):
+        raise TypeError(f"{DISPATCH}: topk_idx must hold integer expert ids, got {topk_idx.dtype}")
+    num_experts = _positive_int(DISPATCH, "num_experts", num_experts)
+    capacity = _positive_int(DISPATCH, "capacity", capacity)
+    axes = _ffi.normalize_axes(axis_name, DISPATCH)
+    n = _ffi.Group(DISPATCH, axes).size
+    if num_experts % n:
+        raise ValueError(f"{DISPATCH}: num_experts={num_experts} is not divisible by the {n} ranks of {axes}")
+    _check_capacity(num_experts // n, capacity, x, topk_idx.shape[1], n)
+    _check_ids_if_known(topk_idx, num_experts)
+    if np.dtype(topk_idx.dtype) == np.uint64:  # past int64's range is out of range either way
+        topk_idx = jnp.minimum(topk_idx, np.iinfo(np.int64).max).astype(jnp.int64)
+    elif np.dtype(topk_idx.dtype) not in _IDS_AS_GIVEN:
+        topk_idx = topk_idx.astype(jnp.int32)  # narrower ids: exact in int32
+    # Wide ids go to the runtime as they are, so an id outside [0, num_experts)
+    # is reported as the user gave it (a cast would wrap it, a clip would hide it).
+    idx = _ffi.make_varying(topk_idx, axes)
+    x = _ffi.make_varying(x, axes)
+    if _mp.crosses_at_trace(axes):
+        recv_x, pair_slot, slot_source, counts, dropped = dispatch_across(x, idx, axes, num_experts, capacity)
+    else:
+        recv_x, pair_slot, slot_source, counts, dropped = _dispatch(x, idx, axes, num_experts, capacity)
+    return recv_x, DispatchHandle(counts, dropped, pair_slot, slot_source, axes)
+
+
+
+_IDS_AS_GIVEN = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "uint8"))
+
+
+def _check_ids_if_known(topk_idx, num_experts):
+    """A readable error at trace time when the ids are concrete (the runtime
+    checks traced ids and names the rank, token and id)."""
+    if isinstance(topk_idx, jax.core.Tracer):
+        return
+    ids = np.asarray(topk_idx)
+    bad = np.argwhere((ids < 0) | (ids >= num_experts))
+    if bad.size:
+        t, k = bad[0]
+        raise ValueError(f"{DISPATCH}: token {t}, k={k} is routed to expert id {ids[t, k]}, "
+                         f"outside [0, {num_experts})")
+
+
+def _dispatch_call(x, idx, axes, num_experts, capacity):
+    group = _ffi.Group(DISPATCH, axes)
+    t, h = x.shape
+    k = idx.shape[1]
+    el = num_experts // group.size
+    i32 = jnp.int32
+    results = (jax.ShapeDtypeStruct((el, capacity, h), x.dtype),
+               jax.ShapeDtypeStruct((t, k), i32),
+               jax.ShapeDtypeStruct((el, capacity), i32),
+               jax.ShapeDtypeStruct((el,), i32),
+               jax.ShapeDtypeStruct((), i32))
+    outs = call("strata_moe_dispatch", group, (x, idx), results,
+                 num_experts=np.int32(num_experts), capacity=np.int64(capacity))
+    return tuple(varying(outs, _ffi.varying_axes(x) | _ffi.varying_axes(idx)))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dispatch(x, idx, axes, num_experts, capacity):
+    return _dispatch_call(x, idx, axes, num_experts, capacity)
+
+
+def _dispatch_fwd(x, idx, axes, num_experts, capacity):
+    outs = _dispatch_call(x, idx, axes, num_experts, capacity)
+    return outs, outs[1]
+
+
+def _dispatch_bwd(axes, num_experts, capacity, pair_slot, cts):
+    # Each row went to at most one slot per pair: the transpose sums, per
+    # token, the cotangents of the slots its pairs filled (a combine, weights 1).
+    ct_recv = cts[0]
+    ones = jnp.ones(pair_slot.shape, weight_dtype(ct_recv.dtype))
+    return combine_call(ct_recv, ones, pair_slot, axes), None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+

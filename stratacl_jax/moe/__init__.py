@@ -25,8 +25,11 @@ Also here: ``expert_parallel_ffn`` (a drop-in MoE FFN layer built on them),
 ``lax.all_to_all`` of padded ``[N, E_local, capacity, H]`` buffers, the peer in
 tests and benchmarks) and ``dense_moe_ffn`` (single-device, no capacity).
 
-Modules: ``_dispatch`` and ``_combine`` (the ops), ``_across`` (the path over
-axes that cross processes), ``layer``, ``reference``; ``_common`` below them.
+dispatch and combine are JAX primitives like the collectives (abstract
+evaluation, lowering to the runtime's FFI targets, batching as a sequence of
+exchanges, JVP and transpose rules): ``_dispatch`` and ``_combine`` hold them
+(combine's with its backward op), ``_across`` the path over axes that cross
+processes, then ``layer`` and ``reference``; ``_common`` below them all.
 """
 from ._combine import combine
 # The backward op on its own: tests/test_moe_traffic.py measures its traffic.

@@ -1,6 +1,7 @@
 """What the MoE ops share: their names, the handle dispatch returns and
-combine reads, the FFI call with the runtime settings, and the order in which
-combine sums (which the cross-process path and the reference follow too)."""
+combine reads, the FFI call with the runtime settings, the typing and
+batching of their primitives, and the order in which combine sums (which the
+cross-process path and the reference follow too)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.interpreters import ad
 
-from .. import _config, _ffi
+from .. import _ffi
 
 DISPATCH = "strata.moe.dispatch"
 COMBINE = "strata.moe.combine"
@@ -53,12 +56,12 @@ def weight_dtype(rows_dtype):
     return jnp.float64 if np.dtype(rows_dtype) == np.float64 else jnp.float32
 
 
-def call(target, group, operands, results, **attrs):
-    """One MoE custom call: the group's (rank, group) operand and the runtime
-    settings in force now (mode="buffer_centric" stages rows through
-    communication buffers, as the vendor-library baseline does)."""
-    s = _config.current()
-    fn = jax.ffi.ffi_call(target, results, vmap_method="sequential")
+def call(target, group, s, operands, results, **attrs):
+    """One MoE custom call, issued while lowering a primitive: the group's
+    (rank, group) operand and the runtime settings `s` the op was traced with
+    (mode="buffer_centric" stages rows through communication buffers, as the
+    vendor-library baseline does)."""
+    fn = jax.ffi.ffi_call(target, results)
     return fn(
         *operands,
         group.meta(),
@@ -70,13 +73,46 @@ def call(target, group, operands, results, **attrs):
         engines=np.int32(s.sdma_engines_per_npu),
         mode=np.int32(_ffi._MODE_CODE[s.mode]),
         comm_buffer_bytes=np.int64(s.comm_buffer_bytes),
-        timeout_ms=np.int64(max(1, round(s.timeout_s * 1000))),
+        timeout_ms=_ffi.timeout_ms(s),
         **attrs,
     )
 
 
-def varying(outs, vma):
-    return [_ffi.make_varying(o, tuple(vma)) if vma else o for o in outs]
+def out_aval(like, shape, dtype, *operands):
+    """An abstract result: `shape` and `dtype`, varying over every axis any
+    of `operands` varies over (the twin's typing: per-rank data)."""
+    vma = frozenset().union(*(_ffi.varying_axes(o) for o in operands))
+    return _ffi.typed(like.update(dtype=np.dtype(dtype)), shape=shape, vma=vma, weak_type=False)
+
+
+def zero_tangent(value):
+    """The symbolic zero tangent of `value` (float0 for integers)."""
+    return ad.Zero(jax.typeof(value).to_tangent_aval())
+
+
+def zeros_for(aval, axes):
+    """Zeros in the place of an operand a transpose does not solve for (the
+    backward op computes both cotangents; one of them is thrown away)."""
+    return _ffi.make_varying(jnp.zeros(aval.shape, aval.dtype), tuple(_ffi.varying_axes(aval) | set(axes)))
+
+
+def each_in_turn(name):
+    """The batching rule of primitive `name`: a batch of independent exchanges,
+    one after another (lax.map, so every rank meets its peers in the same
+    order), each one rendezvous of the group; unbatched operands are shared."""
+
+    def rule(axis_data, vals, dims, **params):
+        prim = _ffi.registered(name).primitive
+        mapped = [_ffi.move_batch_to_front(v, d) for v, d in zip(vals, dims) if d is not None]
+
+        def one(slices):
+            it = iter(slices)
+            return prim.bind(*[next(it) if d is not None else v for v, d in zip(vals, dims)], **params)
+
+        out = lax.map(one, mapped)
+        return out, ([0] * len(out) if prim.multiple_results else 0)
+
+    return rule
 
 
 def sum_by_rank(rows, weights, owner, dtype):

@@ -1,18 +1,21 @@
-"""strata.moe.dispatch: the API, its checks and the op."""
+"""strata.moe.dispatch: the API, its checks and its primitives: dispatch,
+and dispatch_rows (recv_x of another x along a layout already made: the
+tangent). Both lower to the runtime's dispatch, batch as a sequence of
+exchanges, and transpose to a combine with weights 1."""
 from __future__ import annotations
 
 import os
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
-from .. import _ffi
+from .. import _config, _ffi
 from .. import _multiprocess as _mp
 from ._across import dispatch_across
-from ._combine import combine_call
-from ._common import DISPATCH, DispatchHandle, weight_dtype, call, varying
+from ._combine import combine_p
+from ._common import (DISPATCH, DispatchHandle, call, each_in_turn, out_aval, weight_dtype, zero_tangent,
+                      zeros_for)
 
 def _positive_int(opname, name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -90,9 +93,10 @@ def dispatch(x, topk_idx, *, axis_name, num_experts: int, capacity: int):
     if _mp.crosses_at_trace(axes):
         recv_x, pair_slot, slot_source, counts, dropped = dispatch_across(x, idx, axes, num_experts, capacity)
     else:
-        recv_x, pair_slot, slot_source, counts, dropped = _dispatch(x, idx, axes, num_experts, capacity)
+        recv_x, pair_slot, slot_source, counts, dropped = dispatch_p.bind(
+            x, idx, group=_ffi.Group(DISPATCH, axes).spec(), num_experts=num_experts, capacity=capacity,
+            settings=_config.current())
     return recv_x, DispatchHandle(counts, dropped, pair_slot, slot_source, axes)
-
 
 
 _IDS_AS_GIVEN = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "uint8"))
@@ -111,39 +115,85 @@ def _check_ids_if_known(topk_idx, num_experts):
                          f"outside [0, {num_experts})")
 
 
-def _dispatch_call(x, idx, axes, num_experts, capacity):
-    group = _ffi.Group(DISPATCH, axes)
-    t, h = x.shape
-    k = idx.shape[1]
+# (recv_x, pair_slot, slot_source, recv_counts, dropped) = dispatch(x, idx):
+# the runtime lays the rows out from every rank's ids. recv_x is linear in x
+# for a given layout; the handle is integers (no tangents).
+
+
+def _abstract_eval(x, idx, *, group, num_experts, capacity, settings):
+    (t, h), k = x.shape, idx.shape[1]
     el = num_experts // group.size
-    i32 = jnp.int32
-    results = (jax.ShapeDtypeStruct((el, capacity, h), x.dtype),
-               jax.ShapeDtypeStruct((t, k), i32),
-               jax.ShapeDtypeStruct((el, capacity), i32),
-               jax.ShapeDtypeStruct((el,), i32),
-               jax.ShapeDtypeStruct((), i32))
-    outs = call("strata_moe_dispatch", group, (x, idx), results,
-                 num_experts=np.int32(num_experts), capacity=np.int64(capacity))
-    return tuple(varying(outs, _ffi.varying_axes(x) | _ffi.varying_axes(idx)))
+    i32 = np.int32
+    return [out_aval(x, (el, capacity, h), x.dtype, x, idx), out_aval(x, (t, k), i32, x, idx),
+            out_aval(x, (el, capacity), i32, x, idx), out_aval(x, (el,), i32, x, idx), out_aval(x, (), i32, x, idx)]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _dispatch(x, idx, axes, num_experts, capacity):
-    return _dispatch_call(x, idx, axes, num_experts, capacity)
+def _lower(x, idx, *, group, num_experts, capacity, settings):
+    results = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+               for a in _abstract_eval(x, idx, group=group, num_experts=num_experts, capacity=capacity,
+                                       settings=settings)]
+    return call("strata_moe_dispatch", group, settings, (x, idx), results, num_experts=np.int32(num_experts),
+                capacity=np.int64(capacity))
 
 
-def _dispatch_fwd(x, idx, axes, num_experts, capacity):
-    outs = _dispatch_call(x, idx, axes, num_experts, capacity)
-    return outs, outs[1]
+def _jvp(primals, tangents, *, group, num_experts, capacity, settings):
+    x, idx = primals
+    params = dict(group=group, num_experts=num_experts, capacity=capacity, settings=settings)
+    outs = dispatch_p.bind(x, idx, **params)
+    recv_x, pair_slot, slot_source = outs[:3]
+    d_x = tangents[0]
+    d_recv = (zero_tangent(recv_x) if type(d_x) is ad.Zero
+              else dispatch_rows_p.bind(d_x, idx, pair_slot, slot_source, **params))
+    return outs, [d_recv] + [zero_tangent(o) for o in outs[1:]]
 
 
-def _dispatch_bwd(axes, num_experts, capacity, pair_slot, cts):
-    # Each row went to at most one slot per pair: the transpose sums, per
-    # token, the cotangents of the slots its pairs filled (a combine, weights 1).
-    ct_recv = cts[0]
-    ones = jnp.ones(pair_slot.shape, weight_dtype(ct_recv.dtype))
-    return combine_call(ct_recv, ones, pair_slot, axes), None
+def _transpose(cts, x, idx, *, group, num_experts, capacity, settings):
+    # Only jax.linear_transpose of dispatch itself lands here (a JVP's tangent
+    # is dispatch_rows): the layout of these ids is one more dispatch away.
+    if type(cts[0]) is ad.Zero:
+        return ad.Zero(x.aval), None
+    params = dict(group=group, num_experts=num_experts, capacity=capacity, settings=settings)
+    zeros = zeros_for(x.aval, group.axes)
+    _, pair_slot, slot_source, _, _ = dispatch_p.bind(zeros, idx, **params)
+    ct_x = _rows_transpose(cts[0], x, idx, pair_slot, slot_source, **params)[0]
+    return ct_x, None
 
 
-_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+dispatch_p = _ffi.primitive("strata_moe_dispatch", _abstract_eval, _lower, jvp=_jvp, transpose=_transpose,
+                            batch=each_in_turn("strata_moe_dispatch"), api=dispatch, multiple_results=True)
 
+
+# recv_x of x for a layout already made (by the dispatch whose handle is
+# pair_slot, slot_source): linear in x. Lowered to the same dispatch call
+# (the runtime lays out the same ids the same way); its transpose sums, per
+# token, the cotangents of the rows its pairs filled: a combine, weights 1.
+
+
+def _rows_abstract_eval(x, idx, pair_slot, slot_source, *, group, num_experts, capacity, settings):
+    return _abstract_eval(x, idx, group=group, num_experts=num_experts, capacity=capacity, settings=settings)[0]
+
+
+def _rows_lower(x, idx, pair_slot, slot_source, **params):
+    return _lower(x, idx, **params)[0]
+
+
+def _rows_jvp(primals, tangents, **params):
+    x, idx, pair_slot, slot_source = primals
+    recv_x = dispatch_rows_p.bind(*primals, **params)
+    d_x = tangents[0]
+    if type(d_x) is ad.Zero:
+        return recv_x, zero_tangent(recv_x)
+    return recv_x, dispatch_rows_p.bind(d_x, idx, pair_slot, slot_source, **params)
+
+
+def _rows_transpose(ct, x, idx, pair_slot, slot_source, *, group, num_experts, capacity, settings):
+    if type(ct) is ad.Zero:
+        return ad.Zero(x.aval), None, None, None
+    ct = _ffi.make_varying(ct, group.axes)
+    ones = _ffi.make_varying(jnp.ones(pair_slot.shape, weight_dtype(ct.dtype)), group.axes)
+    ct_x = combine_p.bind(ct, ones, pair_slot, slot_source, group=group, settings=settings)
+    return ct_x, None, None, None
+
+
+dispatch_rows_p = _ffi.primitive("strata_moe_dispatch_rows", _rows_abstract_eval, _rows_lower, jvp=_rows_jvp,
+                                 transpose=_rows_transpose, batch=each_in_turn("strata_moe_dispatch_rows"))

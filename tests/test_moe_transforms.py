@@ -196,3 +196,14 @@ def test_vmap_is_a_loop_of_exchanges(request, mesh_name, axis, dtype):
             for a, b in zip(got, want):
                 np.testing.assert_array_equal(a, b)
     assert (shard_run(batched(step, False), mesh, x, idx, w, ey)[3] > 0).any()  # capacity drops happened
+
+
+def test_combine_is_not_linear_in_both_at_once(mesh8):
+    x, _, idx, w, _, ey, _, ct = data(mesh8, "x", "float32", seed=5)
+
+    def per_rank(x, idx, w, ey, ct):
+        handle = strata.moe.dispatch(x, idx, axis_name="x", num_experts=E, capacity=CAP)[1]
+        return jax.linear_transpose(lambda ey, w: strata.moe.combine(ey, handle, w), ey, w)(ct)
+
+    with pytest.raises(NotImplementedError, match="strata.moe.combine is bilinear"):
+        shard_run(per_rank, mesh8, x, idx, w, ey, ct)

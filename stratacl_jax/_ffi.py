@@ -21,7 +21,7 @@ from jax.sharding import AxisType
 from . import _config
 from . import _core
 from . import _multiprocess
-# The op modules (and moe.py) reach these as _ffi.*, beside the rest of the machinery.
+# The op modules (and moe/) reach these as _ffi.*, beside the rest of the machinery.
 from ._group import GroupSpec, make_varying, varying_axes  # noqa: F401
 
 # Register every handler once, for the CPU platform (emulated NPUs are CPU devices).
@@ -259,17 +259,21 @@ def registered(name: str) -> Registered:
         raise LookupError(f"no strata primitive {name!r} is registered; registered: {sorted(_REGISTRY)}") from None
 
 
-def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None, api=None):
+def primitive(name: str, abstract_eval, lower, *, jvp=None, transpose=None, batch=None, api=None,
+              multiple_results: bool = False):
     """A JAX primitive for one collective: abstract evaluation, a CPU lowering
     (`lower(*operands, **params)` traced into the FFI call), and the rules.
     Without `jvp` the op is linear (the JVP applies it to the tangent) and
     `transpose(ct, *operands, **params)` is its transpose. Registered under
-    `name` with its public function `api` (see `registered`)."""
+    `name` with its public function `api` (see `registered`). With
+    `multiple_results`, abstract_eval and lower return lists (MoE dispatch's
+    rows and handle)."""
     if name in _REGISTRY:
         raise ValueError(f"strata primitive {name!r} is defined twice")
     p = Primitive(name)
+    p.multiple_results = multiple_results
     p.def_abstract_eval(abstract_eval)
-    lowered = mlir.lower_fun(lower, multiple_results=False)
+    lowered = mlir.lower_fun(lower, multiple_results=multiple_results)
 
     def rule(ctx, *args, **params):
         # The mesh's process layout and the op's source location, for ops

@@ -17,7 +17,9 @@ PACKAGES = ("stratacl_jax", "benchmarks")
 SUPERNODE = "stratacl_jax.supernode"
 # What the supernode model must not reach, even through other modules: the
 # emulator sits above it (and re-exports it), and so do the ops.
-ABOVE_SUPERNODE = ("stratacl_jax", "stratacl_jax.emulator", "stratacl_jax.moe", "stratacl_jax.all_reduce",
+ABOVE_SUPERNODE = ("stratacl_jax", "stratacl_jax.emulator", "stratacl_jax.moe", "stratacl_jax.moe._dispatch",
+                   "stratacl_jax.moe._combine", "stratacl_jax.moe._across", "stratacl_jax.moe.layer",
+                   "stratacl_jax.moe.reference", "stratacl_jax.all_reduce",
                    "stratacl_jax.all_gather", "stratacl_jax.reduce_scatter", "stratacl_jax.all_to_all",
                    "stratacl_jax.broadcast", "stratacl_jax.ppermute", "stratacl_jax.ragged_all_to_all")
 

@@ -93,8 +93,13 @@ STRATA_COLLECTIVES = {
     "strata_broadcast": "broadcast", "strata_ppermute": "ppermute",
     "strata_ragged_all_to_all": "all_to_all",
 }
-MOE_TARGETS = {"strata_moe_dispatch": "moe_dispatch", "strata_moe_combine": "moe_combine",
-               "strata_moe_combine_backward": "moe_combine_backward"}
+# strata.moe's primitives: the MoE ops of the op model each runs (combine's
+# tangent in both arguments runs two combines).
+MOE_PRIMITIVES = {
+    "strata_moe_dispatch": ("moe_dispatch",), "strata_moe_dispatch_rows": ("moe_dispatch",),
+    "strata_moe_combine": ("moe_combine",), "strata_moe_combine_tangent": ("moe_combine", "moe_combine"),
+    "strata_moe_combine_backward": ("moe_combine_backward",),
+}
 
 
 def nbytes(aval) -> int:
@@ -238,7 +243,7 @@ class Graph:
             outs = self.cond(eqn, ins)
         elif name in STRATA_COLLECTIVES or name in LAX_COLLECTIVES:
             outs = self.collective(eqn, ins)
-        elif name == "ffi_call" and p.get("target_name") in MOE_TARGETS:
+        elif name in MOE_PRIMITIVES:
             outs = self.moe(eqn, ins)
         elif name in FREE or self.scalar_work(eqn):
             outs = self.free(eqn, ins)
@@ -505,32 +510,25 @@ class Graph:
         return self.comm_node(eqn, ins, label, op, n, ranks, mode, dtype, size, library, **kwargs)
 
     def moe(self, eqn, ins):
-        op = MOE_TARGETS[eqn.params["target_name"]]
-        attrs = dict(eqn.params.get("attributes", ()))
-        n = int(attrs["group_size"])
+        name, p = eqn.primitive.name, eqn.params
+        n, ranks = self._group(p["group"].axes)
         avals = [v.aval for v in eqn.invars]
-        if op == "moe_dispatch":
+        if name.startswith("strata_moe_dispatch"):
             (t, h), k = avals[0].shape, avals[1].shape[1]
-            dtype, cap, e = dtype_name(avals[0]), int(attrs["capacity"]), int(attrs["num_experts"])
+            dtype, cap, e = dtype_name(avals[0]), int(p["capacity"]), int(p["num_experts"])
         else:
-            ey = avals[0] if op == "moe_combine" else avals[1]
-            w = avals[1] if op == "moe_combine" else avals[2]
+            # Where expert_y and the weights are among the operands.
+            at = {"strata_moe_combine": 0, "strata_moe_combine_tangent": 2, "strata_moe_combine_backward": 1}[name]
+            ey, w = avals[at], avals[at + 1]
             el, cap, h = ey.shape
             t, k = w.shape
             dtype, e = dtype_name(ey), el * n
-        _, ranks = self._group(self._moe_axes(n))
         kw = dict(tokens=int(t), hidden=int(h), top_k=int(k), num_experts=int(e), capacity=int(cap))
-        return self.comm_node(eqn, ins, f"strata {op}", op, n, ranks, self.mode, dtype, None, "strata", **kw)
-
-    def _moe_axes(self, n):
-        """The mesh axes of a group of n (MoE calls carry only the group size)."""
-        if self.mesh is None:
-            return ()
-        sizes, names = self.mesh
-        for i in range(len(names)):  # the innermost axes whose product is n
-            if math.prod(sizes[i:]) == n:
-                return names[i:]
-        return names
+        outs = None
+        for op in MOE_PRIMITIVES[name]:  # each an exchange of its own on the operands
+            done = self.comm_node(eqn, ins, f"strata {op}", op, n, ranks, self.mode, dtype, None, "strata", **kw)
+            outs = done if outs is None else [self.value(a.nodes + b.nodes, a.nbytes) for a, b in zip(outs, done)]
+        return outs
 
     def comm_node(self, eqn, ins, label, op, n, ranks, mode, dtype, size, library, **kwargs):
         node = self.new_node(name=label, kind="collective", unit="vector")

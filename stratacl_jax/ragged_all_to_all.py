@@ -126,8 +126,6 @@ def _jvp(primals, tangents, *, group, settings):
     operand, output, *vectors = primals
     t_operand, t_output, *_ = tangents
     y = ragged_p.bind(operand, output, *vectors, group=group, settings=settings)
-    if type(t_operand) is ad.Zero and type(t_output) is ad.Zero:
-        return y, ad.Zero.from_primal_value(y)
     t_operand, t_output = ad.instantiate_zeros(t_operand), ad.instantiate_zeros(t_output)
     return y, ragged_p.bind(t_operand, t_output, *vectors, group=group, settings=settings)
 

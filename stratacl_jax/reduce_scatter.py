@@ -128,8 +128,6 @@ def _sum_scatter(group, dim, tiled, settings):
 def _jvp(primals, tangents, *, group, dim, tiled, op, settings):
     (x,), (t,) = primals, tangents
     y = reduce_scatter_p.bind(x, group=group, dim=dim, tiled=tiled, op=op, settings=settings)
-    if type(t) is ad.Zero:
-        return y, ad.Zero.from_primal_value(y)
     scatter = _sum_scatter(group, dim, tiled, settings)
     if op == "sum":
         return y, scatter(t)

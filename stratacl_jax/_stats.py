@@ -14,7 +14,8 @@ if _core.reduce_isa_note():
 
 def stats() -> dict:
     """bytes_direct, bytes_staged, registrations, registry hits/misses,
-    core_bytes[npu][core] and sdma_bytes[npu][engine], among others;
+    core_bytes[npu][core] and sdma_bytes[npu][engine] (bytes each lane read +
+    wrote), staged_bytes[npu] (the plan ops' buffer_centric copies), among others;
     reduce_isa: the instruction set of the reduction kernels in use
     ("baseline", "avx2" or "avx512": the widest the CPU runs, or
     STRATA_REDUCE_ISA's choice); lax_routed / lax_left_to_xla: jax.lax

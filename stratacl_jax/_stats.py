@@ -20,7 +20,9 @@ def stats() -> dict:
     bytes_local (MoE: dispatch's fan-out of a received token to the rank's
     other experts, and combine's sum of a token's rows on their rank before
     one row goes back), registrations, registry hits/misses,
-    core_bytes[npu][core] and sdma_bytes[npu][engine], among others;
+    core_bytes[npu][core] and sdma_bytes[npu][engine] (bytes each lane read +
+    wrote), staged_bytes[npu] (the plan ops' buffer_centric copies; MoE's
+    staging is in bytes_staged only), among others;
     reduce_isa: the instruction set of the reduction kernels in use
     ("baseline", "avx2" or "avx512": the widest the CPU runs, or
     STRATA_REDUCE_ISA's choice); lax_routed / lax_left_to_xla: jax.lax

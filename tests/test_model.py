@@ -465,6 +465,42 @@ def test_moe_buffer_centric_needs_room():
               dtype="bfloat16", mode="buffer_centric")
 
 
+# --------------------------------------------------------- ragged_all_to_all
+def test_uniform_ragged_all_to_all_is_modeled_as_an_all_to_all():
+    # The same plan pieces: each rank sends 100 rows of 7168 bf16 to every rank.
+    for mode in ("strata", "buffer_centric"):
+        ragged = model("ragged_all_to_all", npus=8, send_rows=np.full((8, 8), 100), hidden=7168,
+                       dtype="bfloat16", mode=mode)
+        a2a = model("all_to_all", 8 * 100 * 7168 * 2, npus=8, dtype="bfloat16", mode=mode)
+        assert ragged.time_us == pytest.approx(a2a.time_us, rel=1e-12) and a2a.time_us > 0  # sums' order
+        np.testing.assert_array_equal(ragged.lane_bytes, a2a.lane_bytes)
+        assert ragged.bytes_per_rank == a2a.bytes_per_rank
+        assert ragged.busbw_gbps == pytest.approx(a2a.busbw_gbps)
+
+
+def test_ragged_all_to_all_models_the_sizes_given():
+    rng = np.random.default_rng(4)
+    rows = rng.integers(0, 200, size=(8, 8))
+    rows[3] = 0  # a rank that sends nothing
+    m = model("ragged_all_to_all", npus=8, send_rows=rows, hidden=1024, dtype="float32")
+    # Each receiver's lanes read and write what it receives; send_rows packs the slices.
+    np.testing.assert_array_equal(m.lane_bytes.sum(axis=1), 2 * rows.sum(axis=0) * 4096)
+    assert m.settings["operand_rows"] == rows.sum(axis=1).max()
+    assert m.settings["output_rows"] == rows.sum(axis=0).max()
+    assert m.bytes_per_rank == rows.sum() * 4096 // 8
+    # The same exchange given as lax's vectors (one slice per peer, packed): the same plan.
+    in_off = np.cumsum(rows, axis=1) - rows
+    out_off = (np.cumsum(rows, axis=0) - rows)  # receiver d takes sender s's rows after senders < s
+    same = model("ragged_all_to_all", npus=8, send_sizes=rows, input_offsets=in_off, output_offsets=out_off,
+                 hidden=1024, dtype="float32")
+    assert same.time_us == m.time_us
+    # More traffic takes longer; buffer_centric stages what each rank sends and receives.
+    assert model("ragged_all_to_all", npus=8, send_rows=2 * rows, hidden=1024).time_us > m.time_us
+    staged = model("ragged_all_to_all", npus=8, send_rows=rows, hidden=1024, mode="buffer_centric")
+    np.testing.assert_array_equal(staged.staged_bytes, (rows.sum(axis=1) + rows.sum(axis=0)) * 4096)
+    assert staged.time_us > m.time_us
+
+
 # ------------------------------------------------------------------- errors
 @pytest.mark.parametrize("call,match", [
     (lambda: model("all_sum", 4096), "unknown op"),
@@ -482,6 +518,16 @@ def test_moe_buffer_centric_needs_room():
     (lambda: model("moe_dispatch", npus=3, **MOE), "multiple of npus"),
     (lambda: model("moe_dispatch", 4096, npus=8, **MOE), "not bytes_per_rank"),
     (lambda: model("moe_dispatch", npus=8, topk_idx=np.full((8, 512, 4), 99), **MOE), "expert ids"),
+    (lambda: model("ragged_all_to_all", 4096, npus=8, send_rows=np.ones((8, 8), int), hidden=4), "not bytes_per_rank"),
+    (lambda: model("ragged_all_to_all", npus=8, hidden=4), "send_rows= .* or send_sizes="),
+    (lambda: model("ragged_all_to_all", npus=8, send_rows=np.ones((8, 4), int), hidden=4), r"send_rows must be \[8, 8\]"),
+    (lambda: model("ragged_all_to_all", npus=8, send_rows=-np.ones((8, 8), int), hidden=4), "must be >= 0"),
+    (lambda: model("ragged_all_to_all", npus=8, send_rows=np.ones((8, 8)), hidden=4), "must hold integers"),
+    (lambda: model("ragged_all_to_all", npus=8, send_rows=np.ones((8, 8), int), hidden=0), "hidden"),
+    (lambda: model("ragged_all_to_all", npus=8, send_sizes=np.ones((8, 12), int), hidden=4), "npus \\* slices_per_peer"),
+    (lambda: model("ragged_all_to_all", npus=8, send_rows=np.ones((8, 8), int), hidden=4, operand_rows=7),
+     "rank 0: input_offsets\\[7\\]=7 \\+ send_sizes\\[7\\]=1 is outside its operand's 7 rows"),
+    (lambda: model("ragged_all_to_all", npus=8, send_rows=np.ones((8, 8), int), hidden=4, top_k=2), "unknown arguments"),
 ])
 def test_bad_arguments_are_clear_errors(call, match):
     with pytest.raises((ValueError, TypeError), match=match):

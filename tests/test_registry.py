@@ -30,21 +30,33 @@ GROUP_SIZES = (1, 2, 3, 5, 8, 384)
 
 def test_op_names_are_the_python_tables_in_code_order():
     names = _core.op_names()
-    assert names == ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
-    assert _model.COLLECTIVES == names
+    fixed = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
+    assert names == fixed + ("ragged_all_to_all",)
+    assert _model.OPS == names
     assert _model.OP_KIND == {name: code for code, name in enumerate(names)}
-    assert bench_collectives.OPS == names
-    assert bench_multiprocess.OPS == names
-    assert tuple(op for op in bench_latency.OPS if op != "moe") == names
-    assert set(bench_collectives.SPECS) == set(names)
-    # Every collective is a registered FFI target under its registry name.
+    # ragged_all_to_all's plan is built at the rendezvous from its ranks' sizes: no fixed builder.
+    assert [_core.op_planned_at_rendezvous(name) for name in names] == [False] * 6 + [True]
+    assert _model.COLLECTIVES == fixed and _model.RAGGED_OPS == ("ragged_all_to_all",)
+    assert bench_collectives.OPS == fixed
+    assert bench_multiprocess.OPS == fixed
+    assert tuple(op for op in bench_latency.OPS if op != "moe") == fixed
+    assert set(bench_collectives.SPECS) == set(fixed)
+    # Every op is a registered FFI target under its registry name.
     targets = _core.registrations()
     assert all(f"strata_{name}" in targets for name in names)
 
 
+def test_ops_planned_at_the_rendezvous_have_no_block_size_plan():
+    assert _core.bus_factor("ragged_all_to_all", 8) == pytest.approx(7 / 8)
+    with pytest.raises(ValueError, match="ragged_all_to_all's plan is built from the sizes its ranks publish"):
+        _core.op_block_counts("ragged_all_to_all", 8)
+    with pytest.raises(ValueError, match="ragged_all_to_all's plan is built from the sizes its ranks publish"):
+        _core.plan_info(_model.OP_KIND["ragged_all_to_all"], 0, 0, 8, 1024, 4, 0)
+
+
 @pytest.mark.parametrize("n", GROUP_SIZES)
 def test_bus_factors_and_block_counts_agree(n):
-    for name in _core.op_names():
+    for name in _model.COLLECTIVES:
         assert _core.bus_factor(name, n) == pytest.approx(_model.bus_factor(name, n)), name
         assert _core.bus_factor(name, n) == pytest.approx(bench_collectives.SPECS[name].bus_factor(n)), name
         # What _model and _trace assume: these ops' inputs (outputs) hold a block per rank.
@@ -58,8 +70,8 @@ def test_bus_factors_and_block_counts_agree(n):
 def test_registry_refuses_unknown_names_and_codes():
     with pytest.raises(ValueError, match="no collective is named all_sum"):
         _core.bus_factor("all_sum", 8)
-    with pytest.raises(ValueError, match="no collective has code 6"):
-        _core.plan_info(6, 0, 0, 8, 1024, 4, 0)
+    with pytest.raises(ValueError, match="no collective has code 7"):
+        _core.plan_info(7, 0, 0, 8, 1024, 4, 0)
 
 
 def test_dtype_codes_and_sizes_agree():

@@ -146,6 +146,40 @@ def test_trace_records_moe_routing(mesh8, tmp_path):
     check_trace_file(tmp_path / "moe.json", range(8))
 
 
+def test_trace_records_ragged_all_to_all_with_its_sizes(mesh8, tmp_path):
+    from test_ragged_all_to_all import args_of, make_case, reference, run_per_rank
+
+    c = make_case(np.random.default_rng(9), 8, k=2, row_shape=(6,), out_rows=60, dtype=np.int64)
+    ragged = lambda *a: strata.ragged_all_to_all(*a, axis_name="x")  # noqa: E731
+    run_per_rank(ragged, mesh8, *args_of(c))  # compile outside the trace
+    with strata.emulator.trace(str(tmp_path / "ragged.json")) as tr:
+        got = run_per_rank(ragged, mesh8, *args_of(c))
+        with strata.config(mode="buffer_centric"):
+            staged = run_per_rank(ragged, mesh8, *args_of(c))
+    np.testing.assert_array_equal(got, reference(c))
+    np.testing.assert_array_equal(staged, reference(c))
+    assert [(o.op, o.mode) for o in tr.ops] == [("ragged_all_to_all", "strata"), ("ragged_all_to_all", "buffer_centric")]
+    o = tr.ops[0]
+    assert o.group_size == 8 and o.dtype == "int64" and o.bytes_per_rank == c["send_sizes"].sum() * 48 // 8
+    # Every rank's vectors as it published them (int32 here, recorded as int64).
+    for v in ("input_offsets", "send_sizes", "output_offsets"):
+        np.testing.assert_array_equal(o.params[v], c[v])
+    assert o.params["operand_rows"] == 9 and o.params["output_rows"] == 60 and o.params["row_bytes"] == 48
+    # Re-timed from those sizes: model() of the same exchange.
+    for mode in ("strata", "buffer_centric"):
+        ref = strata.emulator.model("ragged_all_to_all", npus=8, dtype="int64", hidden=6, mode=mode,
+                                    send_sizes=c["send_sizes"], input_offsets=c["input_offsets"],
+                                    output_offsets=c["output_offsets"], operand_rows=9, output_rows=60)
+        assert o.modeled_us[mode] == ref.time_us > 0
+    assert o.modeled_us["strata"] < o.modeled_us["buffer_centric"]
+    doc = check_trace_file(tmp_path / "ragged.json", range(8))
+    host = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
+    assert sum(e["name"] == "ragged_all_to_all" for e in host) == 16  # a slice per rank per op
+    lanes = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] >= 1000 and e["tid"] > 0]
+    assert any(e["name"] == "ragged_all_to_all exchange" for e in lanes)
+    assert any(e["name"] == "ragged_all_to_all stage in" for e in lanes)
+
+
 def test_trace_captures_gradients_and_does_not_nest(mesh8):
     x = np.random.default_rng(2).standard_normal(8 * 64).astype(np.float32)
     f = smap(lambda v: jax.grad(lambda u: jnp.sum(strata.all_reduce(u, "x") ** 2))(v), mesh8, P("x"), P("x"))

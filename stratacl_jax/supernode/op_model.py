@@ -19,9 +19,12 @@ from .. import _core
 from .spec import preset
 
 # The extension's tables (xla_ffi/algorithms/op_registry.h, runtime/dtypes.h), not copies of them.
-COLLECTIVES = tuple(_core.op_names())  # in OpKind order: a name's index is its code
+OPS = tuple(_core.op_names())  # the plan ops in OpKind order: a name's index is its code
+OP_KIND = {name: i for i, name in enumerate(OPS)}
+# Ops whose plan follows from a block size, and those planned from the sizes their ranks publish.
+COLLECTIVES = tuple(op for op in OPS if not _core.op_planned_at_rendezvous(op))
+RAGGED_OPS = tuple(op for op in OPS if op not in COLLECTIVES)
 MOE_OPS = ("moe_dispatch", "moe_combine", "moe_combine_backward")
-OP_KIND = {name: i for i, name in enumerate(COLLECTIVES)}
 DTYPE_CODE = _core.dtype_codes()
 DTYPE_SIZE = _core.dtype_sizes()
 _REDUCE_OPS = _core.reduce_ops()
@@ -69,7 +72,7 @@ def round_bytes(op: str, bytes_per_rank, npus: int, dtype: str = "float32") -> i
     and for reduce_scatter / all_to_all a whole element per rank; 0 when less than that.
     Sweeps call it to pick valid sizes without model's rounding warning."""
     item = DTYPE_SIZE[dtype]
-    per_rank_blocks = op in OP_KIND and _core.op_block_counts(op, int(npus))[0] > 1
+    per_rank_blocks = op in COLLECTIVES and _core.op_block_counts(op, int(npus))[0] > 1
     unit = item * (int(npus) if per_rank_blocks else 1)
     nbytes = parse_bytes(bytes_per_rank, "bytes_per_rank")
     return max(0, nbytes - nbytes % unit)
@@ -101,6 +104,11 @@ class ModeledOp:
     slices: np.ndarray | None = field(default=None, repr=False)  # rank, kind, lane, phase, start, end, bytes
     phase_kinds: list | None = field(default=None, repr=False)
     lanes: str = "core"      # the kind of lane that moved the data: "core" or "sdma" (the runtime's rule)
+    # [rank, core lanes then SDMA lanes]: bytes each lane read + wrote in the exchange (what
+    # strata.stats()' core_bytes / sdma_bytes count when the op runs), and [rank]: bytes staged
+    # through comm buffers (stats' staged_bytes); plan ops only (MoE's executor differs).
+    lane_bytes: np.ndarray | None = field(default=None, repr=False)
+    staged_bytes: np.ndarray | None = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         return (f"ModeledOp({self.op}, {format_bytes(self.bytes_per_rank)} per rank on {self.npus} NPUs of "
@@ -168,7 +176,8 @@ def _result(op, n, mode, nbytes, s_bytes, bus_bytes, raw, spec, settings, footpr
                       "sdma": busy[worst, cores:].tolist() if busy.size else []},
         lower_bound_us=lower, fits_hbm=footprint <= spec.hbm_bytes_per_rank, spec=spec.name,
         settings=settings, lane_busy_all_us=busy, slices=np.asarray(raw["slices"]),
-        phase_kinds=list(raw["phase_kinds"]), lanes="sdma" if raw["on_sdma"] else "core")
+        phase_kinds=list(raw["phase_kinds"]), lanes="sdma" if raw["on_sdma"] else "core",
+        lane_bytes=np.asarray(raw["lane_bytes"]), staged_bytes=np.asarray(raw["staged_bytes"]))
 
 
 def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: str = "strata",
@@ -186,6 +195,15 @@ def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: st
     is rounded down with a warning, one that rounds to zero is an error;
     op_args: `redop=`
     (sum, max, min, prod), `root=`, `perm=` (pairs; default a ring), `rows=`.
+    `ragged_all_to_all`: op_args `send_rows=` ([npus, npus]: rows rank s sends
+    rank d; each rank's slices packed in rank order on both sides) and
+    `hidden=` (elements per row); or, for any layout (a trace's), every
+    rank's `send_sizes=`, `input_offsets=`, `output_offsets=` ([npus, npus *
+    slices_per_peer], lax.ragged_all_to_all's vectors; receivers' recv_sizes
+    follow from them) with `hidden=`; `operand_rows=` / `output_rows=` default
+    to the fewest rows that hold the slices. The plan is the runtime's
+    (BuildRaggedPlan), run as its PlanJob runs it; `bytes_per_rank` reports
+    the mean bytes a rank sends, busbw the bytes that leave their rank.
     MoE (`moe_dispatch`, `moe_combine`, `moe_combine_backward`): op_args
     `tokens=`, `hidden=`, `top_k=`, `num_experts=`, optionally `topk_idx=`
     ([npus, tokens, top_k]; default uniform at random, distinct experts per
@@ -207,11 +225,16 @@ def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: st
     if op in COLLECTIVES:
         return _model_collective(op, bytes_per_rank, int(npus), mode, sp, dtype, settings, keep_slices,
                                  rank_npu or [], **op_args)
+    if op in RAGGED_OPS:
+        if bytes_per_rank is not None:
+            raise TypeError(f"strata.emulator.model({op!r}): give send_rows= (or send_sizes=, ...) and "
+                            f"hidden=, not bytes_per_rank")
+        return _model_ragged(op, int(npus), mode, sp, dtype, settings, keep_slices, rank_npu or [], **op_args)
     if op in MOE_OPS:
         if bytes_per_rank is not None:
             raise TypeError(f"strata.emulator.model({op!r}): give tokens=, hidden=, top_k=, num_experts=, not bytes_per_rank")
         return _model_moe(op, int(npus), mode, sp, dtype, settings, keep_slices, rank_npu or [], **op_args)
-    raise ValueError(f"strata.emulator.model: unknown op {op!r}; known: {COLLECTIVES + MOE_OPS}")
+    raise ValueError(f"strata.emulator.model: unknown op {op!r}; known: {OPS + MOE_OPS}")
 
 
 def _model_collective(op, bytes_per_rank, n, mode, sp, dtype, settings, keep_slices, rank_npu, *,
@@ -263,6 +286,81 @@ def _model_collective(op, bytes_per_rank, n, mode, sp, dtype, settings, keep_sli
     footprint = (nbytes + out_bytes) * rows
     return _result(op, n, mode, nbytes, s_bytes * rows, s_bytes * rows * bus_factor(op, n), raw, sp,
                    settings, footprint)
+
+
+def _row_vectors(name: str, what: str, value, shape) -> np.ndarray:
+    """`value` as an int64 [npus, entries] matrix of whole numbers >= 0, or a ValueError naming it."""
+    a = np.asarray(value)
+    if a.shape != shape:
+        raise ValueError(f"{name}: {what} must be {list(shape)} (npus x npus * slices_per_peer), got shape {list(a.shape)}")
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"{name}: {what} must hold integers (rows), got dtype {a.dtype}")
+    a = a.astype(np.int64)
+    if a.size and a.min() < 0:
+        raise ValueError(f"{name}: {what} must be >= 0, got {int(a.min())}")
+    return np.ascontiguousarray(a)
+
+
+def packed_ragged_layout(send_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(input_offsets, output_offsets) of every rank's `send_sizes` ([n, n * k]) packed: a
+    sender's slices back to back in entry order, a receiver's in (sender, slice) order."""
+    send_sizes = np.asarray(send_sizes, np.int64)
+    n, entries = send_sizes.shape
+    k = entries // n
+    input_offsets = np.cumsum(send_sizes, axis=1) - send_sizes
+    # recv[d, s * k + j] = send_sizes[s, d * k + j]: what d receives, in its order.
+    recv = send_sizes.reshape(n, n, k).transpose(1, 0, 2).reshape(n, entries)
+    recv_offsets = np.cumsum(recv, axis=1) - recv
+    output_offsets = recv_offsets.reshape(n, n, k).transpose(1, 0, 2).reshape(n, entries)
+    return input_offsets, np.ascontiguousarray(output_offsets)
+
+
+def _model_ragged(op, n, mode, sp, dtype, settings, keep_slices, rank_npu, *, hidden: int, send_rows=None,
+                  send_sizes=None, input_offsets=None, output_offsets=None, operand_rows: int | None = None,
+                  output_rows: int | None = None, **extra):
+    name = f"strata.emulator.model({op!r})"
+    if extra:
+        raise TypeError(f"{name}: unknown arguments {sorted(extra)}")
+    if not isinstance(hidden, (int, np.integer)) or isinstance(hidden, bool) or hidden < 1:
+        raise ValueError(f"{name}: hidden (elements per row) must be a positive int, got {hidden!r}")
+    if (send_rows is None) == (send_sizes is None):
+        raise TypeError(f"{name}: give send_rows= ([npus, npus]) or send_sizes= ([npus, npus * slices_per_peer]), "
+                        f"one of them")
+    if send_rows is not None:
+        if input_offsets is not None or output_offsets is not None:
+            raise TypeError(f"{name}: send_rows= packs the slices; give send_sizes= to place them with offsets")
+        sizes = _row_vectors(name, "send_rows", send_rows, (n, n))
+    else:
+        entries = np.shape(send_sizes)[1] if np.ndim(send_sizes) == 2 else 0
+        if entries == 0 or entries % n:
+            raise ValueError(f"{name}: send_sizes must be [npus, npus * slices_per_peer], got shape "
+                             f"{list(np.shape(send_sizes))}")
+        sizes = _row_vectors(name, "send_sizes", send_sizes, (n, entries))
+    packed_in, packed_out = packed_ragged_layout(sizes)
+    in_off = packed_in if input_offsets is None else _row_vectors(name, "input_offsets", input_offsets, sizes.shape)
+    out_off = packed_out if output_offsets is None else _row_vectors(name, "output_offsets", output_offsets, sizes.shape)
+    k = sizes.shape[1] // n
+    # The fewest rows that hold every nonempty slice (output offsets are in the receiver's buffer).
+    if operand_rows is None:
+        operand_rows = int(np.where(sizes > 0, in_off + sizes, 0).max(initial=0))
+    if output_rows is None:
+        output_rows = int(np.where(sizes > 0, out_off + sizes, 0).max(initial=0))
+    for k_, v in (("operand_rows", operand_rows), ("output_rows", output_rows)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name}: {k_} must be an int >= 0, got {v!r}")
+    row_bytes = int(hidden) * DTYPE_SIZE[dtype]
+    # Out-of-range slices are refused by the runtime's own checks (BuildRaggedPlan), naming the rank.
+    raw = _core.model_ragged(
+        DTYPE_CODE[dtype], n, int(operand_rows), int(output_rows), row_bytes, in_off, sizes, out_off,
+        MODES.index(mode), int(settings["cores_per_npu"]), int(settings["sdma_engines_per_npu"]),
+        _PLANNER_CODE[settings["planner"]], int(settings["comm_buffer_bytes"]), sp.machine(), rank_npu,
+        bool(keep_slices))
+    sent = int(sizes.sum()) * row_bytes
+    to_self = sum(int(sizes[r, r * k:(r + 1) * k].sum()) for r in range(n)) * row_bytes
+    footprint = (int(operand_rows) + int(output_rows)) * row_bytes
+    settings = {**settings, "operand_rows": int(operand_rows), "output_rows": int(output_rows),
+                "slices_per_peer": k}
+    return _result(op, n, mode, sent // n, sent / n, (sent - to_self) / n, raw, sp, settings, footprint)
 
 
 @functools.lru_cache(maxsize=16)

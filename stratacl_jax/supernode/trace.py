@@ -25,13 +25,14 @@ import numpy as np
 
 from .. import _core
 from .. import _multiprocess
-from .op_model import COLLECTIVES, DTYPE_CODE, MODES, format_bytes, model
+from .op_model import DTYPE_CODE, DTYPE_SIZE, MODES, OPS, format_bytes, model
 from .spec import preset
 from .step import simulate
 
 _DTYPE_NAME = {v: k for k, v in DTYPE_CODE.items()}
 _REDUCE_NAME = {v: k for k, v in _core.reduce_ops().items()}
 _MOE_NAME = {1: "moe_dispatch", 2: "moe_combine", 3: "moe_combine_backward"}
+_RAGGED_KIND = 4  # runtime/observer.h ObservedOp::kRaggedAllToAll
 _PHASE_NAME = {0: "exchange", 1: "stage in", 2: "stage out"}
 _active_lock = threading.Lock()
 _active: list["Trace"] = []
@@ -247,7 +248,7 @@ class Trace:
         end = [r["end_us"] - self._t0 for r in members]
         mode = MODES[first["mode"]]
         if first["kind"] == 0:
-            op = COLLECTIVES[first["op_kind"]]
+            op = OPS[first["op_kind"]]
             n, dtype = first["group_size"], _DTYPE_NAME[first["dtype"]]
             bpr = first["block_bytes"] * first["in_blocks"] * first["rows"]
             params = {"kind": "collective", "op": op, "n": n, "dtype": dtype,
@@ -255,6 +256,18 @@ class Trace:
                       "perm": list(first["perm"]), "block_bytes": first["block_bytes"],
                       "rows": first["rows"], "cores": first["cores"], "engines": first["engines"],
                       "planner": "naive" if first["planner"] else "balanced",
+                      "comm_buffer_bytes": first["comm_buffer_bytes"]}
+        elif first["kind"] == _RAGGED_KIND:
+            # Every rank's sizes as it published them: the model builds the same plan from them.
+            op = OPS[first["op_kind"]]
+            n, dtype = first["group_size"], _DTYPE_NAME[first["dtype"]]
+            vectors = {v: np.stack([np.asarray(r[v], np.int64) for r in members])
+                       for v in ("input_offsets", "send_sizes", "output_offsets")}
+            bpr = int(vectors["send_sizes"].sum()) * first["block_bytes"] // n
+            params = {"kind": "ragged", "op": op, "n": n, "dtype": dtype,
+                      "operand_rows": first["in_blocks"], "output_rows": first["out_blocks"],
+                      "row_bytes": first["block_bytes"], **vectors, "cores": first["cores"],
+                      "engines": first["engines"], "planner": "naive" if first["planner"] else "balanced",
                       "comm_buffer_bytes": first["comm_buffer_bytes"]}
         else:
             op = _MOE_NAME[first["kind"]]
@@ -298,6 +311,17 @@ class Trace:
                 perm = list(zip(p["perm"][::2], p["perm"][1::2])) if p["op"] == "ppermute" else None
                 self._model_cache[key] = model(p["op"], bpr, planner=p["planner"], redop=p["redop"],
                                                root=p["root"], perm=perm, rows=p["rows"], **common)
+            return self._model_cache[key]
+        if p["kind"] == "ragged":
+            key = (mode, keep_slices, p["op"], p["n"], p["dtype"], p["operand_rows"], p["output_rows"],
+                   p["row_bytes"], p["input_offsets"].tobytes(), p["send_sizes"].tobytes(),
+                   p["output_offsets"].tobytes(), p["cores"], p["engines"], p["planner"],
+                   p["comm_buffer_bytes"], tuple(placement or ()))
+            if key not in self._model_cache:
+                self._model_cache[key] = model(
+                    p["op"], hidden=p["row_bytes"] // DTYPE_SIZE[p["dtype"]], send_sizes=p["send_sizes"],
+                    input_offsets=p["input_offsets"], output_offsets=p["output_offsets"],
+                    operand_rows=p["operand_rows"], output_rows=p["output_rows"], planner=p["planner"], **common)
             return self._model_cache[key]
         # The layout the runtime computed (every rank's pair_slot), not a re-derivation.
         return model(p["op"], tokens=p["tokens"], hidden=p["hidden"], top_k=p["top_k"],

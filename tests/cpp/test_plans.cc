@@ -18,9 +18,12 @@
 // output row is written once, from the sender row the vectors name; each
 // rank's bytes read and written are its send and receive sizes' sums; the
 // lanes and moves cover every transfer's span once. Bad vectors are errors.
+// The model times them from that plan: per-lane and staged bytes as the
+// runtime moves them, and a uniform exchange exactly as an all_to_all.
 // Run by tests/test_cpp_plans.py (which builds it); exits non-zero on any
 // failure, naming the plan.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <map>
@@ -32,6 +35,7 @@
 
 #include "../../xla_ffi/algorithms/op_registry.h"
 #include "../../xla_ffi/algorithms/ragged_all_to_all.h"
+#include "../../xla_ffi/model/model.h"
 #include "../../xla_ffi/runtime/collective.h"
 #include "../../xla_ffi/runtime/plan.h"
 
@@ -315,13 +319,17 @@ void CheckRegistry() {
     CHECK(static_cast<size_t>(def.kind) == i && def.builder.code == static_cast<int32_t>(i),
           "entry " << i << " has kind " << static_cast<int>(def.kind) << ", code " << def.builder.code);
     CHECK(std::string(def.builder.name) == std::string("strata.") + def.name, "runtime name " << def.builder.name);
-    CHECK(def.builder.add_transfers != nullptr, "no transfers");
+    // Fixed-plan ops first, each with its transfers; the rest are planned at
+    // the rendezvous (their blocks are rows, counted at run time).
+    const bool fixed = static_cast<int32_t>(i) < kFixedPlanOpCount;
+    CHECK(def.PlannedAtRendezvous() == !fixed, "builder " << (fixed ? "missing" : "given to a rendezvous-planned op"));
+    CHECK(fixed == (def.in_blocks != Blocks::kPerRow && def.out_blocks != Blocks::kPerRow), "blocks");
     CHECK(FindCollective(def.name) == &def && FindCollective(def.builder.code) == &def, "lookup");
     for (int n : {1, 2, 3, 8, 384}) {
       // nccl-tests' busbw / algbw: all_reduce moves 2(n-1)/n of the message over a rank's links,
       // the per-peer ops (n-1)/n, broadcast and ppermute the message.
       const double want = def.kind == OpKind::kAllReduce ? 2.0 * (n - 1) / n
-                          : def.in_blocks == Blocks::kPerRank || def.out_blocks == Blocks::kPerRank
+                          : def.in_blocks != Blocks::kOne || def.out_blocks != Blocks::kOne
                               ? static_cast<double>(n - 1) / n
                               : 1.0;
       CHECK(def.bus_factor(n) == want, "bus factor " << def.bus_factor(n) << " at n=" << n);
@@ -561,6 +569,77 @@ void CheckRaggedErrors(std::mt19937_64& rng) {
   refused(bad, "is outside rank 3's output of");
 }
 
+// The model times a ragged exchange from the plan BuildRaggedPlan builds, as
+// PlanJob runs it: each rank's lanes read + write the rows it receives
+// (exactly, in both modes); buffer_centric stages the rows each rank sends
+// and receives (merged where slices overlap), once per round; and a uniform
+// exchange is an all_to_all (the same pieces, the same modeled time).
+void CheckRaggedModel(const RaggedCase& c, int64_t row_bytes, Mode mode, int64_t comm_buffer_bytes) {
+  std::ostringstream name;
+  name << "ragged model n=" << c.n << " k=" << c.k << " row_bytes=" << row_bytes << " mode=" << ModeName(mode)
+       << " comm_buffer_bytes=" << comm_buffer_bytes;
+  g_context = name.str();
+  const PublishedVectors published = Publish(c, IndexType::S64);
+  RaggedParams p = RaggedParamsOf(c, IndexType::S64, row_bytes, DType::F32);
+  p.mode = mode;
+  p.cores = 5;
+  p.engines = 2;
+  p.comm_buffer_bytes = comm_buffer_bytes;
+  Plan plan;
+  const Status st = BuildRaggedPlan(p, published.ranks, &plan);
+  CHECK(st.ok, "refused: " << st.message);
+  if (!st.ok) return;
+  const model::Machine m;
+  const model::Program prog = model::PlanProgram(plan, RaggedRunParams(p), m);
+  const model::Result r = model::Simulate(prog, m);
+  const int lanes = p.cores + p.engines;
+  for (int rank = 0; rank < c.n; ++rank) {
+    int64_t received = 0, lane_total = 0;
+    for (int i = 0; i < c.n * c.k; ++i) received += c.recv_sizes[rank][i];
+    for (int l = 0; l < lanes; ++l) lane_total += r.lane_bytes[rank * lanes + l];
+    CHECK(lane_total == 2 * received * row_bytes, "rank " << rank << "'s lanes move " << lane_total << " bytes, "
+                                                          << "it receives " << received * row_bytes);
+    int64_t staged_rows = 0;
+    if (mode == Mode::kBufferCentric) {
+      std::vector<bool> read(c.in_rows, false), written(c.out_rows, false);
+      for (int i = 0; i < c.n * c.k; ++i)
+        for (int64_t j = 0; j < c.send_sizes[rank][i]; ++j) read[c.input_offsets[rank][i] + j] = true;
+      for (int64_t row = 0; row < c.out_rows; ++row) written[row] = c.source[rank][row].first >= 0;
+      staged_rows = std::count(read.begin(), read.end(), true) + std::count(written.begin(), written.end(), true);
+    }
+    CHECK(r.staged_bytes[rank] == staged_rows * row_bytes,
+          "rank " << rank << " stages " << r.staged_bytes[rank] << " bytes, not " << staged_rows * row_bytes);
+  }
+}
+
+void CheckUniformRaggedIsAllToAll() {
+  g_context = "uniform ragged model vs all_to_all";
+  const int n = 8;
+  const int64_t rows = 3, row_bytes = 4096;
+  RaggedCase c{n, 1, n * rows, n * rows, {}, {}, {}, {}, {}};
+  c.send_sizes.assign(n, std::vector<int64_t>(n, rows));
+  c.recv_sizes = c.input_offsets = c.output_offsets = c.send_sizes;
+  for (int r = 0; r < n; ++r)
+    for (int i = 0; i < n; ++i) c.input_offsets[r][i] = c.output_offsets[r][i] = i * rows;
+  for (int r = 0; r < n; ++r)  // rank s's slice lands at rows [s * rows, +rows) of every receiver
+    for (int i = 0; i < n; ++i) c.output_offsets[r][i] = r * rows;
+  const PublishedVectors published = Publish(c, IndexType::S64);
+  RaggedParams p = RaggedParamsOf(c, IndexType::S64, row_bytes, DType::F32);
+  p.cores = 48;
+  p.engines = 16;
+  Plan plan;
+  CHECK(BuildRaggedPlan(p, published.ranks, &plan).ok, "refused");
+  const model::Machine m;
+  const model::Result ragged = model::Simulate(model::PlanProgram(plan, RaggedRunParams(p), m), m);
+  const OpParams a2a = MakeOpParams(Collective(OpKind::kAllToAll), static_cast<int>(DType::F32), 4, 0, {}, n,
+                                    rows * row_bytes, 1, 0, 48, 16, 0, p.comm_buffer_bytes);
+  const model::Result all_to_all = model::Simulate(model::CollectiveProgram(a2a, m), m);
+  CHECK(ragged.lane_bytes == all_to_all.lane_bytes, "lane bytes differ");
+  // Equal up to the order of floating-point sums (a span of rows vs one block).
+  CHECK(std::abs(ragged.time_us - all_to_all.time_us) <= 1e-12 * all_to_all.time_us && all_to_all.time_us > 0,
+        "ragged " << ragged.time_us << " us, all_to_all " << all_to_all.time_us);
+}
+
 void CheckRaggedPlans(int64_t* plans) {
   std::mt19937_64 rng(28);
   CheckRaggedErrors(rng);
@@ -580,6 +659,15 @@ void CheckRaggedPlans(int64_t* plans) {
   const RaggedCase big = MakeRaggedCase(rng, 8, 1, 512, 64);
   CheckRaggedPlan(big, IndexType::S32, 7168, DType::BF16, 48, Planner::kBalanced);
   ++*plans;
+  for (int k : {1, 2}) {
+    const RaggedCase c = MakeRaggedCase(rng, 8, k, 40, 9);
+    for (Mode mode : {Mode::kStrata, Mode::kBufferCentric})
+      for (int64_t comm_buffer_bytes : {int64_t{200} << 20, c.out_rows * int64_t{64}}) {  // fits; 3 rounds
+        CheckRaggedModel(c, 160, mode, comm_buffer_bytes);
+        ++*plans;
+      }
+  }
+  CheckUniformRaggedIsAllToAll();
 }
 
 }  // namespace
@@ -600,7 +688,8 @@ int main() {
       {DType::BF16, {2, 130, 32768}},
       {DType::C128, {16, 4112}},
   };
-  for (const CollectiveDef& def : Collectives())
+  const std::vector<CollectiveDef> fixed(Collectives().begin(), Collectives().begin() + kFixedPlanOpCount);
+  for (const CollectiveDef& def : fixed)
     for (int n : {1, 2, 3, 5, 8, 13})
       for (const Sizes& s : sizes)
         for (int64_t block_bytes : s.block_bytes)
@@ -622,7 +711,7 @@ int main() {
               }
             }
   // A supernode's group: many tiny transfers (all_to_all of one float per peer: 147k).
-  for (const CollectiveDef& def : Collectives())
+  for (const CollectiveDef& def : fixed)
     for (int64_t block_bytes : {4, 4096 * 384}) {
       if (block_bytes > 4 && def.OutBlocks(384) * def.InBlocks(384) > 1) continue;  // keep it quick
       Case c{&def, 384, DType::F32, block_bytes, 48, Planner::kBalanced, 0, {}};

@@ -37,6 +37,10 @@ const std::vector<CollectiveDef>& Collectives() {
           B::kOne, B::kOne, WholeBusFactor),
       Def(OpKind::kPermute, "ppermute", "strata.ppermute", BuildPermutePlan,
           B::kOne, B::kOne, WholeBusFactor),
+      // Its plan: BuildRaggedPlan from every rank's offsets and sizes. Uniform
+      // sizes are an all_to_all's traffic, hence its bus factor.
+      Def(OpKind::kRaggedAllToAll, "ragged_all_to_all", "strata.ragged_all_to_all", nullptr,
+          B::kPerRow, B::kPerRow, PeerBusFactor),
   };
   return defs;
 }

@@ -6,12 +6,15 @@
 #include <vector>
 
 #include "../runtime/executor.h"
+#include "../runtime/observer.h"
 #include "../runtime/stats.h"
+#include "op_registry.h"
 
 namespace strata {
 namespace {
 
-constexpr const char* kName = "strata.ragged_all_to_all";
+// The registry's name of the op, "strata.ragged_all_to_all".
+const char* const kName = Collective(OpKind::kRaggedAllToAll).builder.name;
 
 std::string Describe(const RaggedParams& p) {
   std::ostringstream os;
@@ -39,13 +42,27 @@ int64_t ReadIndex(const void* v, IndexType t, int i) {
   return 0;
 }
 
-// Names the op in the runtime's errors; its plans are built at the
-// rendezvous, not by a builder from OpParams.
-const PlanBuilder kRaggedBuilder{-1, kName, nullptr};
+// One rank's vectors as int64, for an observer (only when one is installed).
+RaggedRankSizes SizesOf(const RaggedParams& p, const RaggedBuffers& b) {
+  RaggedRankSizes sizes;
+  sizes.slices_per_peer = p.slices_per_peer;
+  const int entries = p.group_size * p.slices_per_peer;
+  const void* vectors[3] = {b.input_offsets, b.send_sizes, b.output_offsets};
+  std::vector<int64_t>* into[3] = {&sizes.input_offsets, &sizes.send_sizes, &sizes.output_offsets};
+  for (int v = 0; v < 3; ++v) {
+    into[v]->resize(entries);
+    for (int i = 0; i < entries; ++i) (*into[v])[i] = ReadIndex(vectors[v], p.index_types[v], i);
+  }
+  return sizes;
+}
 
-OpParams RunParams(const RaggedParams& p) {
+}  // namespace
+
+OpParams RaggedRunParams(const RaggedParams& p) {
   OpParams o;
-  o.builder = &kRaggedBuilder;
+  // The registry's entry names the op (its plans are built at the
+  // rendezvous: the entry has no transfers function).
+  o.builder = &Collective(OpKind::kRaggedAllToAll).builder;
   o.dtype = p.dtype;
   o.group_size = p.group_size;
   o.in_blocks = p.operand_rows;
@@ -59,8 +76,6 @@ OpParams RunParams(const RaggedParams& p) {
   o.comm_buffer_bytes = p.comm_buffer_bytes;
   return o;
 }
-
-}  // namespace
 
 Status BuildRaggedPlan(const RaggedParams& p, const std::vector<RaggedVectors>& ranks, Plan* plan) {
   const int n = static_cast<int>(ranks.size()), k = p.slices_per_peer;
@@ -111,6 +126,8 @@ void RaggedAllToAllAsync(const RaggedParams& p, const CallSite& c, const RaggedB
   if (c.rank < 0 || c.rank >= p.group_size)
     return done(Status::Error(std::string(kName) + ": rank " + std::to_string(c.rank) +
                               " is out of range for a group of " + std::to_string(p.group_size)));
+  if (OpObserver* observer = ActiveObserver())
+    done = observer->OnRagged(RaggedRunParams(p), SizesOf(p, b), c, std::move(done));
   GlobalStats().ops++;
   PtrList ptrs = {const_cast<void*>(b.operand), b.out,
                   const_cast<void*>(b.input_offsets), const_cast<void*>(b.send_sizes),
@@ -122,7 +139,7 @@ void RaggedAllToAllAsync(const RaggedParams& p, const CallSite& c, const RaggedB
               Plan plan;
               Status st = BuildRaggedPlan(p, ranks, &plan);
               if (!st.ok) return st;
-              return PlanJob(s, std::move(plan), RunParams(p), job);
+              return PlanJob(s, std::move(plan), RaggedRunParams(p), job);
             });
 }
 

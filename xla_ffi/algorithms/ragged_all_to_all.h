@@ -51,6 +51,10 @@ using RaggedVectors = std::array<const void*, 4>;
 // rows fit the buffers); the first bad entry is the error, naming the rank.
 Status BuildRaggedPlan(const RaggedParams& p, const std::vector<RaggedVectors>& ranks, Plan* plan);
 
+// The parameters the runtime runs that plan with (PlanJob; the model's
+// PlanProgram and the trace record the same): blocks are rows.
+OpParams RaggedRunParams(const RaggedParams& p);
+
 // One rank's buffers. `out` already holds the output operand's values.
 struct RaggedBuffers {
   const void* operand = nullptr;

@@ -150,7 +150,7 @@ constexpr std::array<XLA_FFI_Handler*, sizeof...(kKinds)> HandlerTable(std::inde
 }  // namespace
 
 XLA_FFI_Handler* CollectiveHandler(OpKind kind) {
-  static constexpr auto handlers = HandlerTable(std::make_index_sequence<kOpKindCount>());
+  static constexpr auto handlers = HandlerTable(std::make_index_sequence<kFixedPlanOpCount>());
   return handlers[static_cast<size_t>(kind)];
 }
 

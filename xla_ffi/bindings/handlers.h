@@ -3,8 +3,8 @@
 #include "xla/ffi/api/c_api.h"
 
 namespace strata {
-// The XLA FFI handler of a collective, one per registry entry (registered for
-// platform "cpu" as "strata_<name>").
+// The XLA FFI handler of a fixed-plan collective, one per such registry
+// entry (registered for platform "cpu" as "strata_<name>").
 XLA_FFI_Handler* CollectiveHandler(OpKind kind);
 }  // namespace strata
 

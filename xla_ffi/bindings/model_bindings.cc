@@ -1,5 +1,6 @@
-// nanobind glue of the supernode model (xla_ffi/model/): time a collective's
-// or an MoE op's program on a machine, and read the host trace records.
+// nanobind glue of the supernode model (xla_ffi/model/): time a collective's,
+// a ragged exchange's or an MoE op's program on a machine, and read the host
+// trace records.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -11,6 +12,7 @@
 
 #include "../algorithms/moe.h"
 #include "../algorithms/op_registry.h"
+#include "../algorithms/ragged_all_to_all.h"
 #include "../model/model.h"
 #include "../model/trace_log.h"
 #include "../runtime/observer.h"
@@ -86,6 +88,9 @@ nb::dict ToDict(const Result& r, const Program& prog) {
                                                static_cast<size_t>(prog.cores + prog.engines)});
   d["egress_bytes"] = ToNumpy(r.egress_bytes, {r.egress_bytes.size()});
   d["ingress_bytes"] = ToNumpy(r.ingress_bytes, {r.ingress_bytes.size()});
+  d["lane_bytes"] = ToNumpy(r.lane_bytes, {static_cast<size_t>(prog.num_ranks),
+                                           static_cast<size_t>(prog.cores + prog.engines)});
+  d["staged_bytes"] = ToNumpy(r.staged_bytes, {r.staged_bytes.size()});
   std::vector<double> slices;
   slices.reserve(r.slices.size() * 7);
   for (const Slice& s : r.slices) {
@@ -108,6 +113,9 @@ nb::dict ModelCollective(int kind, int dtype, int reduce_op, int root, std::vect
     throw std::invalid_argument("group_size, cores, engines and rows must be positive");
   const CollectiveDef* def = FindCollective(kind);
   if (!def) throw std::invalid_argument("model_collective: no collective has code " + std::to_string(kind));
+  if (def->PlannedAtRendezvous())
+    throw std::invalid_argument(std::string("model_collective: ") + def->name +
+                                "'s plan is built from its ranks' sizes: use model_ragged");
   OpParams p = MakeOpParams(*def, dtype, reduce_op, root, std::move(perm), group_size, block_bytes,
                             rows, mode, cores, engines, planner, comm_buffer_bytes);
   const Machine m = ToMachine(machine);
@@ -117,6 +125,61 @@ nb::dict ModelCollective(int kind, int dtype, int reduce_op, int root, std::vect
   {
     nb::gil_scoped_release release;
     prog = CollectiveProgram(p, m);
+    if (!rank_npu.empty()) prog.rank_npu = std::move(rank_npu);
+    r = Simulate(prog, m, keep_slices);
+  }
+  return ToDict(r, prog);
+}
+
+using I64Matrix = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// A ragged exchange from every rank's input_offsets, send_sizes and
+// output_offsets ([group_size, group_size * slices_per_peer] each): the plan
+// BuildRaggedPlan builds from them (receivers' recv_sizes are the senders'
+// sizes), timed as the runtime's PlanJob would run it.
+nb::dict ModelRagged(int dtype, int group_size, int64_t operand_rows, int64_t output_rows, int64_t row_bytes,
+                     I64Matrix input_offsets, I64Matrix send_sizes, I64Matrix output_offsets, int mode,
+                     int cores, int engines, int planner, int64_t comm_buffer_bytes, nb::dict machine,
+                     std::vector<int32_t> rank_npu, bool keep_slices) {
+  if (group_size < 1 || cores < 1 || engines < 1 || operand_rows < 0 || output_rows < 0 || row_bytes < 0)
+    throw std::invalid_argument("model_ragged: group_size, cores and engines must be positive, rows and "
+                                "row_bytes >= 0");
+  const size_t n = static_cast<size_t>(group_size), entries = send_sizes.shape(1);
+  for (const I64Matrix* v : {&input_offsets, &send_sizes, &output_offsets})
+    if (v->shape(0) != n || v->shape(1) != entries || entries == 0 || entries % n != 0)
+      throw std::invalid_argument("model_ragged: offsets and sizes must be [group_size, group_size * "
+                                  "slices_per_peer]");
+  RaggedParams p;
+  p.group_size = group_size;
+  p.slices_per_peer = static_cast<int32_t>(entries / n);
+  p.operand_rows = operand_rows;
+  p.output_rows = output_rows;
+  p.row_bytes = row_bytes;
+  p.dtype = static_cast<DType>(dtype);
+  for (IndexType& t : p.index_types) t = IndexType::S64;
+  p.mode = static_cast<Mode>(mode);
+  p.cores = cores;
+  p.engines = engines;
+  p.planner = static_cast<Planner>(planner);
+  p.comm_buffer_bytes = comm_buffer_bytes;
+  const int k = p.slices_per_peer;
+  std::vector<int64_t> recv(n * entries);
+  for (size_t src = 0; src < n; ++src)
+    for (size_t i = 0; i < entries; ++i) recv[(i / k) * entries + src * k + i % k] = send_sizes.data()[src * entries + i];
+  std::vector<RaggedVectors> ranks(n);
+  for (size_t r = 0; r < n; ++r)
+    ranks[r] = {input_offsets.data() + r * entries, send_sizes.data() + r * entries,
+                output_offsets.data() + r * entries, recv.data() + r * entries};
+  const Machine m = ToMachine(machine);
+  CheckPlacement(rank_npu, group_size);
+  Plan plan;
+  Status st = BuildRaggedPlan(p, ranks, &plan);
+  if (!st.ok) throw std::invalid_argument(st.message);
+  Program prog;
+  Result r;
+  {
+    nb::gil_scoped_release release;
+    prog = PlanProgram(std::move(plan), RaggedRunParams(p), m);
     if (!rank_npu.empty()) prog.rank_npu = std::move(rank_npu);
     r = Simulate(prog, m, keep_slices);
   }
@@ -244,7 +307,7 @@ nb::list TakeRecords() {
     d["arrive_us"] = r.arrive_us;
     d["end_us"] = r.end_us;
     d["ok"] = r.ok;
-    if (r.kind == ObservedOp::kCollective) {
+    if (r.kind == ObservedOp::kCollective || r.kind == ObservedOp::kRaggedAllToAll) {
       const OpParams& p = r.op;
       d["op_kind"] = p.builder->code;
       d["dtype"] = static_cast<int>(p.dtype);
@@ -261,6 +324,14 @@ nb::list TakeRecords() {
       d["engines"] = p.engines;
       d["planner"] = static_cast<int>(p.planner);
       d["comm_buffer_bytes"] = p.comm_buffer_bytes;
+      if (r.kind == ObservedOp::kRaggedAllToAll) {
+        RaggedRankSizes& sizes = r.ragged;
+        const size_t entries = sizes.send_sizes.size();
+        d["slices_per_peer"] = sizes.slices_per_peer;
+        d["input_offsets"] = ToNumpy(std::move(sizes.input_offsets), {entries});
+        d["send_sizes"] = ToNumpy(std::move(sizes.send_sizes), {entries});
+        d["output_offsets"] = ToNumpy(std::move(sizes.output_offsets), {entries});
+      }
     } else {
       const MoeOpShape& p = r.moe;
       d["group_size"] = p.group_size;
@@ -287,6 +358,7 @@ nb::list TakeRecords() {
 
 void BindModel(nb::module_& m) {
   m.def("model_collective", &ModelCollective);
+  m.def("model_ragged", &ModelRagged);
   m.def("model_moe", &ModelMoe);
   m.def("model_pieces", &ModelPieces);
   m.def("moe_pair_slots", &PairSlots);

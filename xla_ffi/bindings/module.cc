@@ -48,8 +48,8 @@ nb::dict Registrations() {
   };
   nb::dict d;
   for (const CollectiveDef& def : Collectives())
-    d[("strata_" + std::string(def.name)).c_str()] = target(CollectiveHandler(def.kind));
-  d["strata_ragged_all_to_all"] = target(StrataRaggedAllToAll);
+    d[("strata_" + std::string(def.name)).c_str()] =
+        target(def.kind == OpKind::kRaggedAllToAll ? StrataRaggedAllToAll : CollectiveHandler(def.kind));
   d["strata_moe_dispatch"] = target(StrataMoeDispatch);
   d["strata_moe_combine"] = target(StrataMoeCombine);
   d["strata_moe_combine_backward"] = target(StrataMoeCombineBackward);
@@ -92,6 +92,7 @@ nb::dict GetStats() {
   std::lock_guard<std::mutex> lock(s.mu);
   d["core_bytes"] = s.core_bytes;
   d["sdma_bytes"] = s.sdma_bytes;
+  d["staged_bytes"] = s.staged_bytes;
   return d;
 }
 
@@ -99,16 +100,21 @@ nb::dict GetStats() {
 using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // The registry entry of an op code from Python, or a ValueError naming it.
-const CollectiveDef& CollectiveOf(int code, const char* caller) {
-  const CollectiveDef* def = FindCollective(code);
-  if (!def) throw nb::value_error((std::string(caller) + ": no collective has code " + std::to_string(code)).c_str());
+// Only a fixed-plan op when `fixed`: the caller builds its plan from sizes alone.
+const CollectiveDef& Checked(const CollectiveDef* def, const std::string& what, const char* caller, bool fixed) {
+  if (!def) throw nb::value_error((std::string(caller) + ": no collective " + what).c_str());
+  if (fixed && def->PlannedAtRendezvous())
+    throw nb::value_error((std::string(caller) + ": " + def->name + "'s plan is built from the sizes its "
+                           "ranks publish at run time, not from a block size").c_str());
   return *def;
 }
 
-const CollectiveDef& CollectiveNamed(const std::string& name, const char* caller) {
-  const CollectiveDef* def = FindCollective(name.c_str());
-  if (!def) throw nb::value_error((std::string(caller) + ": no collective is named " + name).c_str());
-  return *def;
+const CollectiveDef& CollectiveOf(int code, const char* caller, bool fixed = true) {
+  return Checked(FindCollective(code), "has code " + std::to_string(code), caller, fixed);
+}
+
+const CollectiveDef& CollectiveNamed(const std::string& name, const char* caller, bool fixed = true) {
+  return Checked(FindCollective(name.c_str()), "is named " + name, caller, fixed);
 }
 
 // The codes Python passes, from the C++ tables they index: name -> code, for
@@ -127,7 +133,7 @@ nb::dict DTypeSizes() {
   return d;
 }
 
-// The collectives' names in code order (an op's code is its index).
+// The ops' names in code order (an op's code is its index).
 nb::tuple OpNames() {
   nb::list names;
   for (const CollectiveDef& def : Collectives()) names.append(def.name);
@@ -277,7 +283,11 @@ NB_MODULE(_core, m) {
   });
   m.def("bus_factor", [](const std::string& name, int group_size) {
     if (group_size < 1) throw nb::value_error("bus_factor: group_size must be positive");
-    return CollectiveNamed(name, "bus_factor").bus_factor(group_size);
+    return CollectiveNamed(name, "bus_factor", /*fixed=*/false).bus_factor(group_size);
+  });
+  // True for an op whose plan is built at the rendezvous (its sizes are data).
+  m.def("op_planned_at_rendezvous", [](const std::string& name) {
+    return CollectiveNamed(name, "op_planned_at_rendezvous", /*fixed=*/false).PlannedAtRendezvous();
   });
   m.def("dtype_codes", [] { return NameCodes(kDTypeCount, DTypeName); });
   m.def("dtype_sizes", &DTypeSizes);

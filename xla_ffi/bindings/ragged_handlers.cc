@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 
+#include "../algorithms/op_registry.h"
 #include "../algorithms/ragged_all_to_all.h"
 #include "ffi_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -16,7 +17,8 @@ namespace ffi = xla::ffi;
 namespace strata {
 namespace {
 
-constexpr const char* kOp = "strata.ragged_all_to_all";
+// "strata.ragged_all_to_all", from the op registry.
+const char* const kOp = Collective(OpKind::kRaggedAllToAll).builder.name;
 
 // How the exchange runs (strata.config), packed into one "params" array in
 // this order by stratacl_jax/ragged_all_to_all.py.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <queue>
 #include <stdexcept>
 #include <utility>
@@ -105,6 +106,8 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
   Result res;
   res.lane_busy_us.assign(static_cast<size_t>(n) * lanes, 0.0);
   res.egress_bytes.assign(n, 0);
+  res.lane_bytes.assign(static_cast<size_t>(n) * lanes, 0);
+  res.staged_bytes.assign(n, 0);
   res.ingress_bytes.assign(n, 0);
   if (n <= 0) return res;
 
@@ -218,7 +221,12 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       piece_msgs[i] = msgs;
       lane_moved[static_cast<size_t>(p.rank) * lanes + lane_offset + p.lane] += moved;
       legs_total += static_cast<double>(legs);
+      if (phase.kind != kExchange)
+        for (uint32_t k = p.io_begin; k < p.io_end; ++k)
+          if (phase.io[k].write) res.staged_bytes[phase.io[k].rank] += phase.io[k].bytes * phase.repeat;
     }
+    if (phase.kind == kExchange)
+      for (size_t l = 0; l < lane_moved.size(); ++l) res.lane_bytes[l] += lane_moved[l] * phase.repeat;
     // Queues serve segments, not whole pieces, so lanes that share a
     // resource interleave on it (a piece that became ready late does not wait
     // behind every early piece's whole reservation): about kSegmentsPerLane
@@ -382,11 +390,16 @@ void AddLocalCopies(ModelPhase& phase, int rank, int64_t bytes, int lanes) {
 
 }  // namespace
 
-Program CollectiveProgram(const OpParams& op_params, const Machine& m) {
-  // The runtime's rule picks the lanes, with this machine's figures; every
-  // round of buffer_centric inherits the op's choice (as the runtime's do).
-  OpParams p = op_params;
-  p.movement_lanes = MovesOnSdma(p, m.sdma_descriptor_us, m.sdma_gbps) ? 1 : 0;
+namespace {
+
+// A plan op's program as the runtime runs it (collective.cc): strata mode is
+// one exchange of `round_plan(block_bytes)` over the user buffers;
+// buffer_centric runs rounds of the comm buffer's window (full windows, then
+// the rest; BufferCentricJob), each staging in, exchanging
+// `round_plan(width)` and staging out every block, or only `runs`' when given
+// (PlanJob's plans). p.movement_lanes holds the op's lanes.
+Program PlanRounds(const OpParams& p, const std::function<Plan(int64_t width)>& round_plan,
+                   const StagedRuns* runs) {
   Program prog;
   prog.num_ranks = p.group_size;
   prog.cores = p.cores;
@@ -395,8 +408,8 @@ Program CollectiveProgram(const OpParams& op_params, const Machine& m) {
   const LaneKind kind = p.movement_lanes == 1 ? kSdma : kCore;
 
   // The exchange of one plan (the whole message, or one round's window).
-  auto exchange = [&](const OpParams& op, int64_t repeat) {
-    prog.plans.push_back(BuildPartitionedPlan(op));
+  auto exchange = [&](int64_t width, int64_t repeat) {
+    prog.plans.push_back(round_plan(width));
     const Plan& plan = prog.plans.back();
     ModelPhase ph;
     ph.kind = kExchange;
@@ -412,14 +425,14 @@ Program CollectiveProgram(const OpParams& op_params, const Machine& m) {
         mp.rank = task.npu;
         mp.lane = task.lane;
         mp.transfer = static_cast<int32_t>(piece.transfer);
-        mp.bytes = (piece.col_end - piece.col_begin) * op.rows;
+        mp.bytes = (piece.col_end - piece.col_begin) * p.rows;
         ph.pieces.push_back(mp);
       }
     return ph;
   };
 
   if (p.mode == Mode::kStrata) {
-    prog.phases.push_back(exchange(p, 1));
+    prog.phases.push_back(exchange(p.block_bytes, 1));
     prog.sync_end = true;
     return prog;
   }
@@ -428,31 +441,67 @@ Program CollectiveProgram(const OpParams& op_params, const Machine& m) {
     throw std::invalid_argument("comm_buffer_bytes=" + std::to_string(p.comm_buffer_bytes) +
                                 " cannot hold one column of the op's blocks");
   prog.sync_end = false;
-  // Rounds as the runtime runs them (collective.cc, BufferCentricJob): full
-  // windows, then the rest; each round stages in, exchanges, stages out.
+  // The blocks each rank stages in and out.
+  std::vector<int64_t> in_blocks(p.group_size, p.in_blocks), out_blocks(p.group_size, p.out_blocks);
+  if (runs) {
+    for (int r = 0; r < p.group_size; ++r) {
+      in_blocks[r] = out_blocks[r] = 0;
+      for (const BlockRun& run : runs->in[r]) in_blocks[r] += run.end - run.begin;
+      for (const BlockRun& run : runs->out[r]) out_blocks[r] += run.end - run.begin;
+    }
+  }
   const int64_t block = p.block_bytes;
   const int64_t full = block / window, rest = block % window;
   for (const auto& [w, count] : {std::pair<int64_t, int64_t>{window, full}, {rest, 1}}) {
     if (w <= 0 || count <= 0) continue;
-    OpParams round = p;
-    round.block_bytes = w;
     const int lanes = kind == kCore ? p.cores : p.engines;
     ModelPhase in;
     in.kind = kStageIn;
     in.lanes = kind;
     in.repeat = count;
-    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(in, r, p.rows * p.in_blocks * w, lanes);
+    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(in, r, p.rows * in_blocks[r] * w, lanes);
     prog.phases.push_back(std::move(in));
-    prog.phases.push_back(exchange(round, count));
+    prog.phases.push_back(exchange(w, count));
     ModelPhase out;
     out.kind = kStageOut;
     out.lanes = kind;
     out.sync_before = true;  // every peer's writes into this rank's buffer are in
     out.repeat = count;
-    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, p.rows * p.out_blocks * w, lanes);
+    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, p.rows * out_blocks[r] * w, lanes);
     prog.phases.push_back(std::move(out));
   }
   return prog;
+}
+
+}  // namespace
+
+Program CollectiveProgram(const OpParams& op_params, const Machine& m) {
+  // The runtime's rule picks the lanes, with this machine's figures; every
+  // round of buffer_centric inherits the op's choice (as the runtime's do).
+  OpParams p = op_params;
+  p.movement_lanes = MovesOnSdma(p, m.sdma_descriptor_us, m.sdma_gbps) ? 1 : 0;
+  return PlanRounds(p, [&p](int64_t width) {
+    OpParams round = p;
+    round.block_bytes = width;
+    return BuildPartitionedPlan(round);
+  }, nullptr);
+}
+
+Program PlanProgram(Plan plan, const OpParams& op_params, const Machine& m) {
+  // As PlanJob: the lanes by the busiest rank's bytes (this machine's
+  // figures), each round the plan partitioned at its window's width, and
+  // buffer_centric staging only the blocks the plan touches.
+  OpParams p = op_params;
+  plan.on_sdma = PlanMovesOnSdma(plan, p.rows, p.engines, m.sdma_descriptor_us, m.sdma_gbps);
+  p.movement_lanes = plan.on_sdma ? 1 : 0;
+  StagedRuns runs;
+  if (p.mode == Mode::kBufferCentric) runs = PlanStagedRuns(plan);
+  return PlanRounds(p, [&plan, &p](int64_t width) {
+    Plan round = plan;
+    round.block_bytes = width;
+    Partition(round, round.on_sdma ? p.engines : p.cores, p.planner);
+    return round;
+  }, p.mode == Mode::kBufferCentric ? &runs : nullptr);
 }
 
 std::vector<std::vector<int32_t>> MoePairSlots(const MoeShape& s,

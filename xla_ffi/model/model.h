@@ -117,6 +117,12 @@ struct Result {
   std::vector<double> lane_busy_us;
   // Per rank: UB bytes out and in (for lower bounds).
   std::vector<int64_t> egress_bytes, ingress_bytes;
+  // Per rank, core lanes then SDMA lanes: bytes each lane read + wrote in
+  // exchange phases (the runtime's stats core_bytes / sdma_bytes count the
+  // same), every repeat included.
+  std::vector<int64_t> lane_bytes;
+  // Per rank: bytes its stage phases copied (the runtime's staged_bytes).
+  std::vector<int64_t> staged_bytes;
   std::vector<Slice> slices;
   double min_remote_latency_us = 0;  // smallest path latency of any remote byte
 };
@@ -133,6 +139,11 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices = false,
 // Pure movement goes to cores or SDMA by the runtime's rule (collective.h,
 // MovesOnSdma) with the machine's descriptor cost and engine bandwidth.
 Program CollectiveProgram(const OpParams& p, const Machine& m);
+
+// An op whose plan is built from its ranks' data (ragged_all_to_all:
+// algorithms' BuildRaggedPlan, called by the caller), as the runtime's
+// PlanJob runs it: `plan` unpartitioned, `p` its layout, mode and lanes.
+Program PlanProgram(Plan plan, const OpParams& p, const Machine& m);
 
 // MoE. pair_slot[rank][t*K+k] = e*capacity + row, or -1 (dropped), as the
 // runtime computes it (moe.h); op: 0 dispatch, 1 combine, 2 combine backward.

@@ -59,6 +59,13 @@ class Log final : public OpObserver {
     if (routing && routing_count > 0) rec->routing.assign(routing, routing + routing_count);
     return Wrap(std::move(rec), std::move(done));
   }
+
+  OpDone OnRagged(const OpParams& p, RaggedRankSizes sizes, const CallSite& c, OpDone done) override {
+    auto rec = Begin(ObservedOp::kRaggedAllToAll, c);
+    rec->op = p;
+    rec->ragged = std::move(sizes);
+    return Wrap(std::move(rec), std::move(done));
+  }
 };
 
 }  // namespace

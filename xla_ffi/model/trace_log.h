@@ -1,8 +1,8 @@
 // Host-side records of real runs, for strata.emulator.trace(): installed as
 // the runtime's observer (runtime/observer.h), it notes for every rank's call
 // of every op when it arrived and when the group's op completed for it, with
-// the op's parameters (and, for MoE, the rank's routing) so the supernode
-// model can time the same op afterwards.
+// the op's parameters (and, for MoE, the rank's routing; for a ragged
+// exchange, its sizes) so the supernode model can time the same op afterwards.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -14,8 +14,9 @@ namespace strata::model {
 
 struct TraceRecord {
   ObservedOp kind = ObservedOp::kCollective;
-  OpParams op;     // collectives
+  OpParams op;     // collectives and ragged_all_to_all
   MoeOpShape moe;  // MoE ops
+  RaggedRankSizes ragged;  // ragged_all_to_all: this rank's sizes
   // The layout the runtime computed: pair_slot [T*K] of this rank (dispatch:
   // its output, read when the op completed; combine: its input).
   std::vector<int32_t> routing;

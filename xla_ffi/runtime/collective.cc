@@ -418,13 +418,6 @@ void StageBlocks(const char* from, char* to, bool into_comm, int64_t rows, int64
   }
 }
 
-// The blocks a plan reads (in) and writes (out) on each rank, as runs: what
-// buffer_centric stages when the plan does not touch every block (a ragged
-// exchange: rows nobody writes keep the output's values).
-struct StagedRuns {
-  std::vector<std::vector<BlockRun>> in, out;  // per rank
-};
-
 // The vendor-library baseline: each rank's data is copied into its comm
 // buffer, the exchange runs between comm buffers, and results are copied out,
 // in rounds of columns when the message is larger than the buffer. Each
@@ -453,6 +446,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
     v.out.push_back(comm.out[r]);
   }
   const int64_t rows = p.rows, in_blocks = p.in_blocks, out_blocks = p.out_blocks;
+  const std::vector<int32_t>* devices = &communicator->devices;  // lives as long as the process
   for (int64_t lo = 0; lo < m; lo += window) {
     const int64_t w = std::min(window, m - lo);
     std::shared_ptr<const Plan> plan = round_plan(w);
@@ -474,7 +468,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
           blocks += run.end - run.begin;
         }
       }
-      GlobalStats().bytes_staged += rows * blocks * w;
+      GlobalStats().AddStaged((*devices)[r], rows * blocks * w);
     };
     Phase stage_out;
     stage_out.count = s.n;
@@ -489,7 +483,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
           blocks += run.end - run.begin;
         }
       }
-      GlobalStats().bytes_staged += rows * blocks * w;
+      GlobalStats().AddStaged((*devices)[r], rows * blocks * w);
     };
     job->phases.push_back(std::move(stage_in));
     job->phases.push_back(ExchangePhase(plan, v, &communicator->devices, /*direct=*/false));
@@ -578,36 +572,45 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
             });
 }
 
-Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) {
-  *job = std::make_shared<Job>();
-  if (p.block_bytes == 0) return Status::Ok();
-  // The busiest rank's bytes read + written decide the lanes, as a
-  // collective's buffers do (MovesOnSdma).
+bool PlanMovesOnSdma(const Plan& plan, int64_t rows, int engines, double descriptor_us, double sdma_gbps) {
+  if (plan.is_reduction()) return false;
+  // The busiest rank's bytes read + written decide, as a collective's buffers do.
   std::vector<int64_t> rank_bytes(plan.num_ranks, 0);
   for (const Transfer& t : plan.transfers) {
     for (uint32_t k = 0; k < t.src_count; ++k) rank_bytes[plan.refs[t.src_begin + k].rank] += plan.Columns(t);
     for (uint32_t k = 0; k < t.dst_count; ++k) rank_bytes[plan.refs[t.dst_begin + k].rank] += plan.Columns(t);
   }
   const int64_t busiest = rank_bytes.empty() ? 0 : *std::max_element(rank_bytes.begin(), rank_bytes.end());
-  plan.on_sdma = !plan.is_reduction() && MovesOnSdma(p.rows * busiest, p.engines);
+  return MovesOnSdma(rows * busiest, engines, descriptor_us, sdma_gbps);
+}
+
+StagedRuns PlanStagedRuns(const Plan& plan) {
+  StagedRuns runs;
+  runs.in.resize(plan.num_ranks);
+  runs.out.resize(plan.num_ranks);
+  for (const Transfer& t : plan.transfers) {
+    for (uint32_t k = 0; k < t.src_count; ++k) {
+      const BlockRef& b = plan.refs[t.src_begin + k];
+      runs.in[b.rank].push_back({b.block, b.block + t.span});
+    }
+    for (uint32_t k = 0; k < t.dst_count; ++k) {
+      const BlockRef& b = plan.refs[t.dst_begin + k];
+      runs.out[b.rank].push_back({b.block, b.block + t.span});
+    }
+  }
+  for (auto* per_rank : {&runs.in, &runs.out})
+    for (auto& rank_runs : *per_rank) rank_runs = MergeRuns(std::move(rank_runs));
+  return runs;
+}
+
+Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) {
+  *job = std::make_shared<Job>();
+  if (p.block_bytes == 0) return Status::Ok();
+  plan.on_sdma = PlanMovesOnSdma(plan, p.rows, p.engines);
   p.movement_lanes = plan.on_sdma ? 1 : 0;
   Communicator* comm = GetCommunicator(s.devices);
   if (p.mode == Mode::kBufferCentric) {
-    auto runs = std::make_shared<StagedRuns>();
-    runs->in.resize(plan.num_ranks);
-    runs->out.resize(plan.num_ranks);
-    for (const Transfer& t : plan.transfers) {
-      for (uint32_t k = 0; k < t.src_count; ++k) {
-        const BlockRef& b = plan.refs[t.src_begin + k];
-        runs->in[b.rank].push_back({b.block, b.block + t.span});
-      }
-      for (uint32_t k = 0; k < t.dst_count; ++k) {
-        const BlockRef& b = plan.refs[t.dst_begin + k];
-        runs->out[b.rank].push_back({b.block, b.block + t.span});
-      }
-    }
-    for (auto* per_rank : {&runs->in, &runs->out})
-      for (auto& rank_runs : *per_rank) rank_runs = MergeRuns(std::move(rank_runs));
+    auto runs = std::make_shared<const StagedRuns>(PlanStagedRuns(plan));
     auto base = std::make_shared<const Plan>(std::move(plan));
     auto round_plan = [base, &p](int64_t width) {
       Plan round = *base;

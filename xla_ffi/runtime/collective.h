@@ -126,6 +126,19 @@ Plan BuildPartitionedPlan(const OpParams& params);
 // plan runs here, on the calling thread (RunsInline), leaving the job empty.
 Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job);
 
+// PlanJob's lanes for such a plan (the model's too): reductions on cores;
+// movement by MovesOnSdma over the busiest rank's bytes read + written.
+bool PlanMovesOnSdma(const Plan& plan, int64_t rows, int engines, double descriptor_us = kSdmaDescriptorUs,
+                     double sdma_gbps = kSdmaGbps);
+
+// The blocks a plan reads (in) and writes (out) on each rank, as merged runs
+// sorted by start: what buffer_centric stages for such a plan (PlanJob; the
+// model's staging of it too).
+struct StagedRuns {
+  std::vector<std::vector<BlockRun>> in, out;  // per rank
+};
+StagedRuns PlanStagedRuns(const Plan& plan);
+
 // buffer_centric mode: the columns of every block that fit the comm buffer at
 // once (the op runs in rounds of this many); <= 0 when not even one fits.
 int64_t CommWindowBytes(const OpParams& params);

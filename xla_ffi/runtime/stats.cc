@@ -20,6 +20,13 @@ void Stats::AddLaneBytes(bool sdma, int lanes, const std::vector<LaneBytes>& bat
   }
 }
 
+void Stats::AddStaged(int npu, int64_t bytes) {
+  bytes_staged += bytes;
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<int>(staged_bytes.size()) <= npu) staged_bytes.resize(npu + 1, 0);
+  staged_bytes[npu] += bytes;
+}
+
 void Stats::Reset() {
   for (auto* c : {&ops, &bytes_direct, &bytes_staged, &bytes_exchanged, &bytes_local, &registrations,
                   &bytes_registered, &registry_lookups, &registry_hits, &registry_misses, &operand_registry_misses, &waits_handed_off,
@@ -28,6 +35,7 @@ void Stats::Reset() {
   std::lock_guard<std::mutex> lock(mu);
   core_bytes.clear();
   sdma_bytes.clear();
+  staged_bytes.clear();
 }
 
 Stats& GlobalStats() {

@@ -35,6 +35,9 @@ struct Stats {
   std::mutex mu;
   std::vector<std::vector<int64_t>> core_bytes;
   std::vector<std::vector<int64_t>> sdma_bytes;
+  // Per NPU: bytes the plan executor (collectives, ragged_all_to_all) copied
+  // into or out of its comm buffers (buffer_centric), part of bytes_staged.
+  std::vector<int64_t> staged_bytes;
 
   void AddLaneBytes(bool sdma, int npu, int lane, int lanes, int64_t bytes);
   struct LaneBytes {
@@ -53,6 +56,8 @@ struct Stats {
   void AddLocal(int64_t bytes) {
     if (bytes > 0) bytes_local += bytes;
   }
+  // One rank's staging copy (a whole rank's blocks: rare, so the lock is cheap).
+  void AddStaged(int npu, int64_t bytes);
   void Reset();
 };
 

@@ -1,18 +1,20 @@
-"""A/B of this checkout against an earlier commit, interleaved in one run: does
-a change slow anything down? (issue 28's "nothing slows down").
+"""A/B of two commits, interleaved in one run: does a change slow anything
+down? (issue 28's "nothing slows down").
 
-The earlier commit (--before, e.g. main's previous head) is built once, non-
-editable, into a cache directory (~/.cache/stratacl_ab/<commit>: a couple of
-minutes the first time). Then --rounds rounds each start one process per side,
+Both commits (--before, e.g. main's previous head, and --after, default HEAD)
+are built the same way, once each, non-editable, into a cache directory
+(~/.cache/stratacl_ab/<commit>: a couple of minutes the first time): a
+checkout's editable build against a pip-built one differed by up to 1.5x at
+64 KiB with the same code (a build's code layout, not the change). Then --rounds rounds each start one process per side,
 alternating which side goes first; each process times every case (MoE
 dispatch and combine in both modes and two dtypes, the six collectives at two
 sizes) on 8 emulated NPUs from plain jax.device_put inputs, --calls individually
 blocked calls after a warm-up, and reports the median and 25th percentile.
 Prints a markdown table: per case the median over rounds of each side's
-median, the ratio after / before (< 1: this checkout is faster), the range of
-the per-round ratios, and in how many rounds this checkout was faster.
+median, the ratio after / before (< 1: --after is faster), the range of
+the per-round ratios, and in how many rounds --after was faster.
 
-    python scripts/ab_against_ref.py --before dcc4dd8
+    python scripts/ab_against_ref.py --before dcc4dd8            # against HEAD
     python scripts/ab_against_ref.py --before main~3 --rounds 8 --only moe
 """
 from __future__ import annotations
@@ -123,7 +125,7 @@ def worker(site: str | None, calls: int, only: str) -> None:
 
 # --- the driver --------------------------------------------------------------------------------
 
-def build_before(ref: str) -> tuple[str, str]:
+def build_commit(ref: str) -> tuple[str, str]:
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", ref + "^{commit}"],
                             capture_output=True, text=True, check=True).stdout.strip()
     cache = os.path.join(os.path.expanduser("~/.cache/stratacl_ab"), commit)
@@ -139,10 +141,9 @@ def build_before(ref: str) -> tuple[str, str]:
     return commit, site
 
 
-def run_side(site: str | None, calls: int, only: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(calls), "--only", only]
-    if site:
-        cmd += ["--site", site]
+def run_side(site: str, calls: int, only: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(calls), "--only", only,
+           "--site", site]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("AB_RESULT "):
@@ -153,6 +154,7 @@ def run_side(site: str | None, calls: int, only: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", help="the earlier commit (any git ref)")
+    ap.add_argument("--after", default="HEAD", help="the later commit (default HEAD; uncommitted changes are not in it)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=25)
     ap.add_argument("--only", choices=["all", "moe", "collectives"], default="all")
@@ -163,16 +165,14 @@ def main() -> None:
         return worker(args.site, args.calls, args.only)
     if not args.before:
         ap.error("--before REF is required")
-    commit, site = build_before(args.before)
-    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+    sites = {"before": build_commit(args.before), "after": build_commit(args.after)}
     rounds: dict[str, list[dict]] = {"before": [], "after": []}
     for r in range(args.rounds):
         order = ("before", "after") if r % 2 == 0 else ("after", "before")
         for side in order:
-            rounds[side].append(run_side(site if side == "before" else None, args.calls, args.only))
+            rounds[side].append(run_side(sites[side][1], args.calls, args.only))
         print(f"[ab] round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"after = this checkout ({head}, working tree as is), before = {args.before} ({commit[:10]}); "
+    print(f"after = {args.after} ({sites['after'][0][:10]}), before = {args.before} ({sites['before'][0][:10]}); "
           f"{args.rounds} rounds alternating which side goes first, {args.calls} blocked calls per case "
           f"and round; time = median over rounds of the per-round median (µs)\n")
     print("| case | before (µs) | after (µs) | after / before | per-round range | rounds after faster |")

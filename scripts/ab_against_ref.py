@@ -53,7 +53,7 @@ def cases(only: str) -> list[str]:
 
 def worker(site: str | None, calls: int, only: str) -> None:
     if site:
-        # The earlier build first; the editable install's finder would win otherwise.
+        # The given build first; the editable install's finder would win otherwise.
         sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__
                             and "skbc" not in type(f).__module__]
         sys.path.insert(0, site)

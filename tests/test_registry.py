@@ -31,11 +31,11 @@ GROUP_SIZES = (1, 2, 3, 5, 8, 384)
 def test_op_names_are_the_python_tables_in_code_order():
     names = _core.op_names()
     fixed = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
-    assert names == fixed + ("ragged_all_to_all",)
+    assert names == fixed + ("ragged_all_to_all", "moe_dispatch")
     assert _model.OPS == names
     assert _model.OP_KIND == {name: code for code, name in enumerate(names)}
-    # ragged_all_to_all's plan is built at the rendezvous from its ranks' sizes: no fixed builder.
-    assert [_core.op_planned_at_rendezvous(name) for name in names] == [False] * 6 + [True]
+    # ragged_all_to_all's and MoE dispatch's plans are built at the rendezvous from their ranks' data.
+    assert [_core.op_planned_at_rendezvous(name) for name in names] == [False] * 6 + [True] * 2
     assert _model.COLLECTIVES == fixed and _model.RAGGED_OPS == ("ragged_all_to_all",)
     assert bench_collectives.OPS == fixed
     assert bench_multiprocess.OPS == fixed
@@ -70,8 +70,8 @@ def test_bus_factors_and_block_counts_agree(n):
 def test_registry_refuses_unknown_names_and_codes():
     with pytest.raises(ValueError, match="no collective is named all_sum"):
         _core.bus_factor("all_sum", 8)
-    with pytest.raises(ValueError, match="no collective has code 7"):
-        _core.plan_info(7, 0, 0, 8, 1024, 4, 0)
+    with pytest.raises(ValueError, match="no collective has code 8"):
+        _core.plan_info(8, 0, 0, 8, 1024, 4, 0)
 
 
 def test_dtype_codes_and_sizes_agree():

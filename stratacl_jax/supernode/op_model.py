@@ -23,8 +23,8 @@ OPS = tuple(_core.op_names())  # the plan ops in OpKind order: a name's index is
 OP_KIND = {name: i for i, name in enumerate(OPS)}
 # Ops whose plan follows from a block size, and those planned from the sizes their ranks publish.
 COLLECTIVES = tuple(op for op in OPS if not _core.op_planned_at_rendezvous(op))
-RAGGED_OPS = tuple(op for op in OPS if op not in COLLECTIVES)
 MOE_OPS = ("moe_dispatch", "moe_combine", "moe_combine_backward")
+RAGGED_OPS = tuple(op for op in OPS if op not in COLLECTIVES and op not in MOE_OPS)
 DTYPE_CODE = _core.dtype_codes()
 DTYPE_SIZE = _core.dtype_sizes()
 _REDUCE_OPS = _core.reduce_ops()
@@ -234,7 +234,7 @@ def model(op: str, bytes_per_rank: int | None = None, *, npus: int = 8, mode: st
         if bytes_per_rank is not None:
             raise TypeError(f"strata.emulator.model({op!r}): give tokens=, hidden=, top_k=, num_experts=, not bytes_per_rank")
         return _model_moe(op, int(npus), mode, sp, dtype, settings, keep_slices, rank_npu or [], **op_args)
-    raise ValueError(f"strata.emulator.model: unknown op {op!r}; known: {OPS + MOE_OPS}")
+    raise ValueError(f"strata.emulator.model: unknown op {op!r}; known: {COLLECTIVES + RAGGED_OPS + MOE_OPS}")
 
 
 def _model_collective(op, bytes_per_rank, n, mode, sp, dtype, settings, keep_slices, rank_npu, *,
@@ -424,7 +424,7 @@ def _model_moe(op, n, mode, sp, dtype, settings, keep_slices, rank_npu, *, token
         MOE_OPS.index(op), n, int(num_experts), int(tokens), int(top_k), int(capacity), row_bytes,
         weight_bytes, int(settings["cores_per_npu"]), int(settings["sdma_engines_per_npu"]),
         mode == "buffer_centric", int(settings["comm_buffer_bytes"]), pair_slot, sp.machine(), rank_npu,
-        bool(keep_slices))
+        bool(keep_slices), DTYPE_CODE[dtype])
     accepted, unique = moe_routing_stats(pair_slot, el * int(capacity), int(top_k))
     # DeepEP: bytes of tokens received, a token counted once per destination rank.
     deepep_per_rank = unique * row_bytes / n

@@ -20,6 +20,11 @@
 // lanes and moves cover every transfer's span once. Bad vectors are errors.
 // The model times them from that plan: per-lane and staged bytes as the
 // runtime moves them, and a uniform exchange exactly as an all_to_all.
+// MoE dispatch's plans, built from the slots random routings get (with
+// drops), are checked against the routing: every expert row is written once,
+// filled rows from the token that fills them, empty ones zeroed; each
+// transfer with sources carries to one rank (DeepEP's rule), so the rows
+// carried are the distinct (token, rank) pairs and the rest are local copies.
 // Run by tests/test_cpp_plans.py (which builds it); exits non-zero on any
 // failure, naming the plan.
 #include <algorithm>
@@ -33,6 +38,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../xla_ffi/algorithms/moe_plan.h"
 #include "../../xla_ffi/algorithms/op_registry.h"
 #include "../../xla_ffi/algorithms/ragged_all_to_all.h"
 #include "../../xla_ffi/model/model.h"
@@ -318,7 +324,10 @@ void CheckRegistry() {
     g_context = std::string("registry ") + def.name;
     CHECK(static_cast<size_t>(def.kind) == i && def.builder.code == static_cast<int32_t>(i),
           "entry " << i << " has kind " << static_cast<int>(def.kind) << ", code " << def.builder.code);
-    CHECK(std::string(def.builder.name) == std::string("strata.") + def.name, "runtime name " << def.builder.name);
+    // The runtime's name is the API's: strata.all_reduce, strata.moe.dispatch.
+    std::string api = def.name;
+    if (api.rfind("moe_", 0) == 0) api[3] = '.';
+    CHECK(std::string(def.builder.name) == "strata." + api, "runtime name " << def.builder.name);
     // Fixed-plan ops first, each with its transfers; the rest are planned at
     // the rendezvous (their blocks are rows, counted at run time).
     const bool fixed = static_cast<int32_t>(i) < kFixedPlanOpCount;
@@ -640,6 +649,113 @@ void CheckUniformRaggedIsAllToAll() {
         "ragged " << ragged.time_us << " us, all_to_all " << all_to_all.time_us);
 }
 
+// MoE dispatch: the plan of random routings' slots against the routing itself.
+void CheckMoeDispatchPlan(std::mt19937_64& rng, int n, int experts, int64_t tokens, int64_t topk, int64_t capacity,
+                          int lanes) {
+  model::MoeShape shape;
+  shape.ranks = n;
+  shape.experts = experts;
+  shape.capacity = capacity;
+  std::vector<std::vector<int32_t>> idx(n, std::vector<int32_t>(tokens * topk));
+  for (auto& rank : idx)
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::vector<int32_t> all(experts);
+      for (int e = 0; e < experts; ++e) all[e] = e;
+      std::shuffle(all.begin(), all.end(), rng);  // top_k distinct experts
+      for (int64_t k = 0; k < topk; ++k) rank[t * topk + k] = all[k];
+    }
+  const auto slots = model::MoePairSlots(shape, idx);
+  MoeOpShape p;
+  p.group_size = n;
+  p.num_experts = experts;
+  p.capacity = capacity;
+  p.tokens = tokens;
+  p.topk = topk;
+  p.hidden = 3;
+  p.dtype = DType::F32;
+  std::vector<const int32_t*> ptrs;
+  for (const auto& r : slots) ptrs.push_back(r.data());
+  Plan plan;
+  const Status st = BuildMoeDispatchPlan(p, ptrs, &plan);
+  std::ostringstream name;
+  name << "moe_dispatch n=" << n << " E=" << experts << " T=" << tokens << " K=" << topk << " C=" << capacity;
+  CHECK(st.ok, name.str() << ": refused: " << st.message);
+  if (!st.ok) return;
+  const int64_t per_rank = experts / n * capacity;
+  // What each expert row must hold: (rank, token) or empty; and the pairs.
+  std::vector<int64_t> want(n * per_rank, -1);
+  int64_t accepted = 0, distinct = 0;
+  for (int r = 0; r < n; ++r)
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::vector<int64_t> owners;
+      for (int64_t k = 0; k < topk; ++k) {
+        const int32_t slot = slots[r][t * topk + k];
+        if (slot < 0) continue;
+        want[slot] = r * tokens + t;
+        ++accepted;
+        if (std::find(owners.begin(), owners.end(), slot / per_rank) == owners.end()) owners.push_back(slot / per_rank);
+      }
+      distinct += static_cast<int64_t>(owners.size());
+    }
+  std::vector<int64_t> got(n * per_rank, -2);  // -2: never written
+  std::vector<int> writes(n * per_rank, 0);
+  int64_t carried = 0, local = 0;
+  for (const Transfer& t : plan.transfers) {
+    CHECK(t.src_count <= 1, name.str() << ": a transfer with " << t.src_count << " sources");
+    if (t.src_count == 1) {
+      CHECK(t.dst_count - t.local_copies == 1, name.str() << ": a token carried to " << t.dst_count - t.local_copies << " ranks at once");
+      carried += t.span;
+      local += static_cast<int64_t>(t.local_copies) * t.span;
+    }
+    for (uint32_t d = 0; d < t.dst_count; ++d) {
+      const BlockRef& dst = plan.refs[t.dst_begin + d];
+      for (uint32_t i = 0; i < t.span; ++i) {
+        const int64_t slot = dst.rank * per_rank + dst.block + i;
+        writes[slot]++;
+        if (t.src_count == 0) {
+          got[slot] = -1;
+        } else {
+          const BlockRef& src = plan.refs[t.src_begin];
+          got[slot] = src.rank * tokens + src.block + (t.dst_count == 1 ? i : 0);
+        }
+      }
+    }
+  }
+  for (int64_t slot = 0; slot < n * per_rank; ++slot) {
+    CHECK(writes[slot] == 1, name.str() << ": row " << slot << " written " << writes[slot] << " times");
+    CHECK(got[slot] == want[slot], name.str() << ": row " << slot << " gets " << got[slot] << ", wants " << want[slot]);
+  }
+  CHECK(carried == distinct && carried + local == accepted,
+        name.str() << ": carried " << carried << " local " << local << ", want " << distinct << " and " << accepted - distinct);
+  // Partitioned as the runtime does it: the chunks' carried/local bytes are the plan's.
+  Partition(plan, lanes, Planner::kBalanced);
+  int64_t chunk_carried = 0, chunk_local = 0;
+  for (const ChunkBytes& b : plan.chunk_bytes) chunk_carried += b.carried, chunk_local += b.local;
+  CHECK(chunk_carried == carried * p.row_bytes() && chunk_local == local * p.row_bytes(),
+        name.str() << ": chunks carry " << chunk_carried << " and copy " << chunk_local);
+}
+
+void CheckMoeDispatchPlans(int64_t* plans) {
+  std::mt19937_64 rng(28);
+  for (int n : {1, 2, 3, 8})
+    for (int64_t capacity : {1, 5, 64})
+      for (int64_t topk : {1, 4}) {
+        CheckMoeDispatchPlan(rng, n, 4 * n, 17, topk, capacity, 3);
+        ++*plans;
+      }
+  // Bad slots are errors naming the rank and the pair.
+  MoeOpShape p;
+  p.group_size = 2, p.num_experts = 2, p.capacity = 2, p.tokens = 1, p.topk = 2, p.hidden = 1;
+  const int32_t out_of_range[2] = {0, 4}, twice[2] = {1, 1}, fine[2] = {-1, 3};
+  for (const auto& [rank0, want] : {std::pair<const int32_t*, std::string>{out_of_range, "outside [-1, 4)"},
+                                    std::pair<const int32_t*, std::string>{twice, "another pair fills too"}}) {
+    Plan plan;
+    const Status st = BuildMoeDispatchPlan(p, {rank0, fine}, &plan);
+    CHECK(!st.ok && st.message.find(want) != std::string::npos && st.message.find("rank 0") != std::string::npos,
+          "moe_dispatch bad slots: " << st.message);
+  }
+}
+
 void CheckRaggedPlans(int64_t* plans) {
   std::mt19937_64 rng(28);
   CheckRaggedErrors(rng);
@@ -720,6 +836,7 @@ int main() {
       ++plans;
     }
   CheckRaggedPlans(&plans);
+  CheckMoeDispatchPlans(&plans);
   std::printf("test_plans: %lld plans, %lld checks, %lld failures\n", static_cast<long long>(plans),
               static_cast<long long>(g_checks), static_cast<long long>(g_failures));
   return g_failures == 0 ? 0 : 1;

@@ -19,6 +19,7 @@
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
+#include "moe_plan.h"
 
 namespace strata {
 
@@ -404,13 +405,17 @@ class RowBuffers {
     size_t count;
   };
 
+  // `by_plan`: the op runs as a transfer plan (runtime/collective.h PlanJob),
+  // whose executor stages buffer_centric's rows itself: these buffers then
+  // only name the user's, registered as in strata mode.
   RowBuffers(const char* opname, const MoeParams& p, int device, std::initializer_list<In> ins,
-             std::initializer_list<Out> outs)
-      : opname_(opname), staged_(p.mode == Mode::kBufferCentric), limit_(p.comm_buffer_bytes),
-        device_(device), ins_(ins), outs_(outs) {
+             std::initializer_list<Out> outs, bool by_plan = false)
+      : opname_(opname), staged_(p.mode == Mode::kBufferCentric && !by_plan),
+        direct_(p.mode == Mode::kStrata), limit_(p.comm_buffer_bytes), device_(device), ins_(ins),
+        outs_(outs) {
     for (const In& in : ins_) in_bytes_ += Align(in.bytes);
     for (const Out& out : outs_) out_bytes_ += Align(out.bytes);
-    if (!staged_) {
+    if (direct_) {
       // Registration-on-allocation makes these hits; an XLA temporary is
       // registered on first use and cached, and that miss is counted.
       for (const In& in : ins_)
@@ -453,7 +458,7 @@ class RowBuffers {
     return staged_ ? in_->data + InOffset(i) : const_cast<void*>(ins_[i].user);
   }
   void* out(size_t i) const { return staged_ ? out_->data + OutOffset(i) : outs_[i].user; }
-  bool direct() const { return !staged_; }
+  bool direct() const { return direct_; }
   // The caller's own buffers (the same as in()/out() in direct mode).
   const void* user_in(size_t i) const { return ins_[i].user; }
   void* user_out(size_t i) const { return outs_[i].user; }
@@ -495,7 +500,8 @@ class RowBuffers {
   }
 
   const char* opname_;
-  bool staged_;
+  bool staged_;  // through this op's own comm buffers
+  bool direct_;  // strata mode: peers address the user buffers
   int64_t limit_;
   int device_;
   Few<In, kMaxIns> ins_;
@@ -510,8 +516,9 @@ class RowBuffers {
 // (peers read its comm buffers until then); then the rank's completion runs.
 struct RankState {
   RankState(const char* opname, const MoeParams& p, int device,
-            std::initializer_list<RowBuffers::In> ins, std::initializer_list<RowBuffers::Out> outs)
-      : rows(opname, p, device, ins, outs) {}
+            std::initializer_list<RowBuffers::In> ins, std::initializer_list<RowBuffers::Out> outs,
+            bool by_plan = false)
+      : rows(opname, p, device, ins, outs, by_plan) {}
   virtual ~RankState() = default;
 
   RowBuffers rows;
@@ -568,12 +575,9 @@ bool AgreeOnBad(const std::vector<R*>& ranks) {
 // buffer_centric baseline always goes through the workers, as collectives do.
 void Schedule(std::vector<Phase> phases, const RankState& any, int n, std::shared_ptr<Job>* job) {
   *job = std::make_shared<Job>();
-  if (any.rows.direct() && RunsInline(Mode::kStrata, any.rows.bytes(), n, kMoeInlineGroupBytes)) {
-    for (const Phase& phase : phases)
-      for (uint64_t i = 0; i < phase.count; ++i) phase.run(i);
-    return;
-  }
   (*job)->phases = std::move(phases);
+  if (any.rows.direct() && RunsInline(Mode::kStrata, any.rows.bytes(), n, kMoeInlineGroupBytes))
+    RunPhasesHere(job->get());
 }
 
 // One task per rank: copies inputs into, or results out of, its comm buffer.
@@ -659,14 +663,6 @@ struct DispatchRank : RankState {
 struct DispatchLayout {
   std::vector<int64_t> total;  // [E]: pairs routed to each expert
   std::string error;           // the first rank's bad expert id, if any
-  // [N * slots per rank], by global slot, set for filled slots by the
-  // placement phase: -1 if the slot's pair leads its token on the owning
-  // rank (DeepEP's traffic rule: the token crosses into this row), else the
-  // owner's row of that lead (the row is a local copy of it). Worked out
-  // once here, where each token's pairs are at hand: the exchange then needs
-  // no peer's pair_slot per row (those reads and divisions were most of the
-  // rule's host cost).
-  std::unique_ptr<int32_t[]> lead_row;
 };
 
 }  // namespace
@@ -682,9 +678,12 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
   const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
   const int64_t rb = p.row_bytes();
 
+  // The rows move as a transfer plan (algorithms/moe_plan.h), whose executor
+  // stages buffer_centric's rows in rounds of the comm buffer.
   auto me = std::make_unique<DispatchRank>(kDispatchName, p, c.device,
                                            std::initializer_list<RowBuffers::In>{{x, p.tokens * rb}},
-                                           std::initializer_list<RowBuffers::Out>{{recv_x, el * cap * rb}});
+                                           std::initializer_list<RowBuffers::Out>{{recv_x, el * cap * rb}},
+                                           /*by_plan=*/true);
   me->pair_slot = pair_slot;
   me->slot_source = slot_source;
   me->recv_counts = recv_counts;
@@ -732,7 +731,6 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
     const int n = p.group_size;
     const int32_t num_e = p.num_experts;
     const int64_t el = p.local_experts(), cap = p.capacity, pairs = p.tokens * p.topk;
-    const int64_t rb = p.row_bytes();
     std::vector<DispatchRank*> ranks = Ranks<DispatchRank>(s);
     auto layout = std::make_shared<DispatchLayout>();
     layout->total.assign(num_e, 0);
@@ -750,55 +748,30 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       for (DispatchRank* r : ranks) r->error = layout->error;
       return Status::Ok();
     }
-    const bool direct = ranks[0]->rows.direct();
-    std::vector<Phase> phases;
 
-    // Phase 1, a task per rank: stage its x in (peers read it next phase),
-    // place its pairs in (token, k) order after all pairs of lower ranks,
-    // and tell the owning ranks where each of their rows comes from and
-    // whether it leads its token there (layout->lead_row).
-    const int64_t slots_per_rank = el * cap;
-    layout->lead_row.reset(new int32_t[n * slots_per_rank]);  // read only where filled
+    // Phase 1, a task per rank: place its pairs in (token, k) order after
+    // all pairs of lower ranks, and tell the owning ranks where each of
+    // their rows comes from.
     Phase place;
     place.count = n;
-    place.run = [ranks, layout, el, cap, pairs, k_top = p.topk, slots_per_rank](uint64_t rank) {
+    place.run = [ranks, layout, el, cap, pairs](uint64_t rank) {
       DispatchRank& me = *ranks[rank];
-      me.rows.StageIn();
       for (DispatchRank::Entry& entry : me.entries) {
         entry.owner = static_cast<int32_t>(entry.expert / el);
         entry.first_row = (entry.expert % el) * cap;
       }
-      // The current token's leads so far: owning rank and its row there. The
-      // thread's scratch, used through a plain pointer (GCC redid the TLS
-      // lookup at each use of the thread_local, even through a reference).
-      struct Lead {
-        int32_t owner, row;
-      };
-      thread_local std::vector<Lead> thread_leads;
-      if (thread_leads.size() < static_cast<size_t>(k_top)) thread_leads.resize(k_top);
-      Lead* const leads = thread_leads.data();
       int32_t drops = 0;
       const int64_t first_pair = static_cast<int64_t>(rank) * pairs;
-      int32_t* lead_row = layout->lead_row.get();
-      for (int64_t token_first = 0; token_first < pairs; token_first += k_top) {
-        int64_t num_leads = 0;
-        for (int64_t i = token_first; i < token_first + k_top; ++i) {
-          DispatchRank::Entry& entry = me.entries[me.pair_slot[i]];
-          const int64_t row = entry.next++;
-          if (row >= cap) {
-            me.pair_slot[i] = -1;
-            drops++;
-            continue;
-          }
-          me.pair_slot[i] = static_cast<int32_t>(entry.expert * cap + row);
-          const int32_t owner = entry.owner, owner_row = static_cast<int32_t>(entry.first_row + row);
-          int32_t lead = -1;  // the token's kept pair of lowest k on the owner leads
-          for (int64_t j = 0; j < num_leads && lead < 0; ++j)
-            if (leads[j].owner == owner) lead = leads[j].row;
-          if (lead < 0) leads[num_leads++] = {owner, owner_row};
-          lead_row[owner * slots_per_rank + owner_row] = lead;
-          ranks[owner]->slot_source[owner_row] = static_cast<int32_t>(first_pair + i);
+      for (int64_t i = 0; i < pairs; ++i) {
+        DispatchRank::Entry& entry = me.entries[me.pair_slot[i]];
+        const int64_t row = entry.next++;
+        if (row >= cap) {
+          me.pair_slot[i] = -1;
+          drops++;
+          continue;
         }
+        me.pair_slot[i] = static_cast<int32_t>(entry.expert * cap + row);
+        ranks[entry.owner]->slot_source[entry.first_row + row] = static_cast<int32_t>(first_pair + i);
       }
       *me.dropped = drops;
       for (int64_t l = 0; l < el; ++l) {
@@ -807,79 +780,24 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
         std::fill(me.slot_source + l * cap + filled, me.slot_source + (l + 1) * cap, -1);
       }
     };
-    phases.push_back(std::move(place));
-
-    // Phase 2: each (token, destination rank) pair crosses once, source x ->
-    // the owner's row of the pair that leads it there (DMA work of the owning
-    // NPU), in tasks of runs of expert rows; the token's other rows on that
-    // rank are local copies of the lead row. In direct mode the host writes
-    // every row from the source row (each task its own rows, in order; the
-    // source row is in cache): the stats count what the modeled machine
-    // moves (the lead crossing, the others local copies), not the host's
-    // copies. buffer_centric receives only the leads in the comm buffer and
-    // fans out while staging out.
-    Phase exchange;
-    const ExpertTasks tasks(p, rb);
-    exchange.count = tasks.count(n);
-    exchange.run = [p, tasks, ranks, layout, ptrs = PtrTable(s), devices = s.devices, pairs, rb,
-                    slots_per_rank, direct](uint64_t i) {
-      const ExpertTasks::Task task = tasks.at(i);
-      char* out = static_cast<char*>(ptrs[task.rank][kRecv]);
-      const int32_t* sources = ranks[task.rank]->slot_source;
-      const int32_t* lead_row = layout->lead_row.get() + task.rank * slots_per_rank;
-      int64_t moved = 0, zeroed = 0, fanned = 0;
-      for (int64_t row = task.first_row; row < task.end_row; ++row) {
-        const int32_t src = sources[row];
-        if (src < 0) {
-          if (direct) {  // buffer_centric zeroes the user's row while staging out
-            std::memset(out + row * rb, 0, rb);
-            zeroed += rb;
-          }
-          continue;
-        }
-        const bool leads = lead_row[row] < 0;
-        if (!leads && !direct) continue;  // filled from its lead while staging out
-        const int64_t src_rank = src / pairs, token = (src % pairs) / p.topk;
-        std::memcpy(out + row * rb, static_cast<const char*>(ptrs[src_rank][kX]) + token * rb, rb);
-        (leads ? moved : fanned) += rb;
+    // Then the rows move: the plan of the slots just placed, run as any
+    // plan is (either mode, the NPUs' lanes, stats: each (token, rank) pair
+    // crosses once, the fan-out to the rank's other rows is local).
+    place.then = [shape = static_cast<const MoeOpShape&>(p), ranks, slot = &s](Job* more) {
+      std::vector<const int32_t*> slots(ranks.size());
+      for (size_t r = 0; r < ranks.size(); ++r) slots[r] = ranks[r]->pair_slot;
+      Plan plan;
+      Status st = BuildMoeDispatchPlan(shape, slots, &plan);
+      std::shared_ptr<Job> rows;
+      if (st.ok) st = PlanJob(*slot, std::move(plan), MoeDispatchRunParams(shape), &rows);
+      if (!st.ok) {
+        for (DispatchRank* r : ranks) r->error = std::string(kDispatchName) + ": " + st.message;
+        return;
       }
-      Stats& stats = GlobalStats();
-      const bool sdma = MoeDispatchOnSdma(p);
-      const int lanes = sdma ? p.engines : p.cores;
-      if (moved + zeroed + fanned > 0)
-        stats.AddLaneBytes(sdma, devices[task.rank], static_cast<int>(task.chunk % lanes), lanes,
-                           2 * (moved + fanned) + zeroed);
-      stats.AddExchanged(moved, direct);
-      stats.AddLocal(fanned);
+      *more = std::move(*rows);
     };
-    phases.push_back(std::move(exchange));
-    // Results leave the comm buffers only once every row has arrived; no
-    // rank completes (letting XLA reuse its x) while a peer may still read it.
-    // Each lead row is staged out once and fanned out in the user's recv_x.
-    if (!direct) {
-      Phase stage_out;
-      stage_out.count = n;
-      stage_out.run = [ranks, layout, rb, slots_per_rank](uint64_t rank) {
-        const DispatchRank& me = *ranks[rank];
-        const char* staged = static_cast<const char*>(me.rows.out(0));
-        char* out = static_cast<char*>(me.rows.user_out(0));
-        const int32_t* lead_row = layout->lead_row.get() + rank * slots_per_rank;
-        int64_t copied = 0, fanned = 0;
-        for (int64_t row = 0; row < slots_per_rank; ++row) {
-          if (me.slot_source[row] < 0) {
-            std::memset(out + row * rb, 0, rb);
-            continue;
-          }
-          const int32_t lead = lead_row[row];
-          std::memcpy(out + row * rb, staged + (lead < 0 ? row : lead) * rb, rb);
-          (lead < 0 ? copied : fanned) += rb;
-        }
-        Stats& stats = GlobalStats();
-        stats.bytes_staged += copied;
-        stats.AddLocal(fanned);
-      };
-      phases.push_back(std::move(stage_out));
-    }
+    std::vector<Phase> phases;
+    phases.push_back(std::move(place));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

@@ -41,6 +41,11 @@ const std::vector<CollectiveDef>& Collectives() {
       // sizes are an all_to_all's traffic, hence its bus factor.
       Def(OpKind::kRaggedAllToAll, "ragged_all_to_all", "strata.ragged_all_to_all", nullptr,
           B::kPerRow, B::kPerRow, PeerBusFactor),
+      // Its plan: BuildMoeDispatchPlan from the slots the routing got (blocks:
+      // token rows in, expert rows out). Each rank's tokens leave it as in an
+      // all_to_all, hence its bus factor.
+      Def(OpKind::kMoeDispatch, "moe_dispatch", "strata.moe.dispatch", nullptr,
+          B::kPerRow, B::kPerRow, PeerBusFactor),
   };
   return defs;
 }

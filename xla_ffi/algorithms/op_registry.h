@@ -17,8 +17,9 @@ namespace strata {
 enum class OpKind : int32_t {
   kAllReduce = 0, kAllGather, kReduceScatter, kAllToAll, kBroadcast, kPermute,
   kRaggedAllToAll,  // planned at the rendezvous: every op after kPermute is
+  kMoeDispatch,
 };
-inline constexpr int32_t kOpKindCount = static_cast<int32_t>(OpKind::kRaggedAllToAll) + 1;
+inline constexpr int32_t kOpKindCount = static_cast<int32_t>(OpKind::kMoeDispatch) + 1;
 // The ops with a fixed builder come first: codes [0, kFixedPlanOpCount). Each
 // has one generic FFI handler (bindings/handlers.cc); the others their own.
 inline constexpr int32_t kFixedPlanOpCount = static_cast<int32_t>(OpKind::kPermute) + 1;

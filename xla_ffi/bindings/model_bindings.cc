@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../algorithms/moe.h"
+#include "../algorithms/moe_plan.h"
 #include "../algorithms/op_registry.h"
 #include "../algorithms/ragged_all_to_all.h"
 #include "../model/model.h"
@@ -215,7 +216,7 @@ MoeShape ToShape(int ranks, int experts, int64_t tokens, int64_t topk, int64_t c
 nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, int64_t capacity,
                   int64_t row_bytes, int64_t weight_bytes, int cores, int engines, bool buffer_centric,
                   int64_t comm_buffer_bytes, I32Matrix pair_slot, nb::dict machine,
-                  std::vector<int32_t> rank_npu, bool keep_slices) {
+                  std::vector<int32_t> rank_npu, bool keep_slices, int dtype) {
   const MoeShape s = ToShape(ranks, experts, tokens, topk, capacity, row_bytes, weight_bytes, cores,
                              engines, buffer_centric, comm_buffer_bytes);
   if (static_cast<int>(pair_slot.shape(0)) != ranks || static_cast<int64_t>(pair_slot.shape(1)) != tokens * topk)
@@ -227,7 +228,30 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
   Result r;
   {
     nb::gil_scoped_release release;
-    prog = MoeProgram(s, op, slots, m);
+    if (op == 0) {
+      // Dispatch: the plan the runtime executes, from the same slots
+      // (algorithms/moe_plan.h), timed as PlanJob runs it.
+      MoeOpShape shape;
+      shape.group_size = ranks;
+      shape.num_experts = experts;
+      shape.capacity = capacity;
+      shape.tokens = tokens;
+      shape.topk = topk;
+      shape.dtype = static_cast<DType>(dtype);
+      shape.hidden = row_bytes / static_cast<int64_t>(DTypeSize(shape.dtype));
+      shape.cores = cores;
+      shape.engines = engines;
+      shape.mode = buffer_centric ? Mode::kBufferCentric : Mode::kStrata;
+      shape.comm_buffer_bytes = comm_buffer_bytes;
+      std::vector<const int32_t*> rank_slots(ranks);
+      for (int r = 0; r < ranks; ++r) rank_slots[r] = slots[r].data();
+      Plan plan;
+      const Status st = BuildMoeDispatchPlan(shape, rank_slots, &plan);
+      if (!st.ok) throw std::invalid_argument(st.message);  // the GIL is retaken on the way out
+      prog = PlanProgram(std::move(plan), MoeDispatchRunParams(shape), m);
+    } else {
+      prog = MoeProgram(s, op, slots, m);
+    }
     if (!rank_npu.empty()) prog.rank_npu = std::move(rank_npu);
     r = Simulate(prog, m, keep_slices);
   }

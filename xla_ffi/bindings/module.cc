@@ -47,10 +47,12 @@ nb::dict Registrations() {
     return stages;
   };
   nb::dict d;
-  for (const CollectiveDef& def : Collectives())
-    d[("strata_" + std::string(def.name)).c_str()] =
-        target(def.kind == OpKind::kRaggedAllToAll ? StrataRaggedAllToAll : CollectiveHandler(def.kind));
-  d["strata_moe_dispatch"] = target(StrataMoeDispatch);
+  for (const CollectiveDef& def : Collectives()) {
+    XLA_FFI_Handler* execute = def.kind == OpKind::kRaggedAllToAll ? StrataRaggedAllToAll
+                               : def.kind == OpKind::kMoeDispatch  ? StrataMoeDispatch
+                                                                   : CollectiveHandler(def.kind);
+    d[("strata_" + std::string(def.name)).c_str()] = target(execute);
+  }
   d["strata_moe_combine"] = target(StrataMoeCombine);
   d["strata_moe_combine_backward"] = target(StrataMoeCombineBackward);
   // Floors for the latency benchmark, not ops.

@@ -235,8 +235,8 @@ inline void CopyRows(char* dst, const char* src, int64_t len, const View& v) {
   }
 }
 
-// Moves columns [c0, c1) of one transfer, every row; returns bytes written.
-int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
+// Moves columns [c0, c1) of one transfer, every row.
+void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
   const Transfer& one = plan.transfers[transfer];
   if (one.src_count == 1 && one.dst_count == 1 && !plan.is_reduction()) {
     // One source to one destination (all_to_all, ppermute, gathers): no
@@ -246,7 +246,7 @@ int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, 
     const BlockRef& db = plan.refs[one.dst_begin];
     CopyRows(v.out[db.rank] + db.block * v.block_stride + local,
              v.in[sb.rank] + sb.block * v.block_stride + local, len, v);
-    return len * v.rows;
+    return;
   }
   const void* srcs[512];
   void* dsts[512];
@@ -286,7 +286,6 @@ int64_t RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, 
       }
     }
   }
-  return len * t.dst_count * v.rows;
 }
 
 // The `count` copies of a strided move; kLen > 0: each is kLen bytes, one row.
@@ -304,10 +303,9 @@ inline void RunStrided(const Move& m, const View& v) {
 }
 
 // Host chunk `chunk` of a copy-only plan over the whole message: its resolved
-// moves (Plan::moves). Returns bytes written; credits each lane its bytes.
-int64_t RunMoves(const Plan& plan, uint64_t chunk, const View& v, const std::vector<int32_t>& devices,
+// moves (Plan::moves); credits each lane its bytes.
+void RunMoves(const Plan& plan, uint64_t chunk, const View& v, const std::vector<int32_t>& devices,
                  std::vector<Stats::LaneBytes>* lane_bytes) {
-  int64_t written = 0;
   for (uint32_t i = plan.move_starts[chunk]; i < plan.move_starts[chunk + 1]; ++i) {
     const Move& m = plan.moves[i];
     if (v.rows == 1 && m.len == 4) {
@@ -317,22 +315,19 @@ int64_t RunMoves(const Plan& plan, uint64_t chunk, const View& v, const std::vec
     } else {
       RunStrided<0>(m, v);
     }
-    written += m.len * v.rows * m.count;
   }
   for (uint32_t i = plan.chunk_starts[chunk]; i < plan.chunk_starts[chunk + 1]; ++i) {
     const LaneTask& task = plan.tasks[i];
     if (task.bytes > 0) lane_bytes->push_back({devices[task.npu], task.lane, task.bytes * v.rows});
   }
-  return written;
 }
 
 // Host chunk `chunk` of any plan: the chunk's pieces
 // as long column runs. Consecutive lanes of an NPU cut one transfer into
 // neighbouring ranges, and running each range on its own restarts every
 // source stream (rs 4 MB per rank over 48 lanes: 15 % slower than over 2).
-int64_t RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::vector<int32_t>& devices,
-                  std::vector<Stats::LaneBytes>* lane_bytes) {
-  int64_t written = 0;
+void RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::vector<int32_t>& devices,
+               std::vector<Stats::LaneBytes>* lane_bytes) {
   uint32_t run_transfer = 0;
   int64_t run_c0 = 0, run_c1 = 0;  // the open run; empty when run_c1 == run_c0
   for (uint32_t i = plan.chunk_starts[chunk]; i < plan.chunk_starts[chunk + 1]; ++i) {
@@ -348,21 +343,21 @@ int64_t RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::ve
         run_c1 = c1;  // the next lane's range continues the run
         continue;
       }
-      if (run_c1 > run_c0) written += RunColumns(plan, run_transfer, run_c0, run_c1, v);
+      if (run_c1 > run_c0) RunColumns(plan, run_transfer, run_c0, run_c1, v);
       run_transfer = piece.transfer;
       run_c0 = c0;
       run_c1 = c1;
     }
     if (touched > 0) lane_bytes->push_back({devices[task.npu], task.lane, touched});
   }
-  if (run_c1 > run_c0) written += RunColumns(plan, run_transfer, run_c0, run_c1, v);
-  return written;
+  if (run_c1 > run_c0) RunColumns(plan, run_transfer, run_c0, run_c1, v);
 }
 
 // The exchange as a phase: one task per host chunk of lane tasks. Each lane
-// is credited with what it moves (the emulated core's or engine's work); the
-// host runs a copy-only plan's resolved moves when it has them, else the
-// chunk's pieces.
+// is credited with what it moves (the emulated core's or engine's work), the
+// stats with the bytes the chunk carries between ranks and copies within one
+// (Plan::chunk_bytes); the host runs a copy-only plan's resolved moves when
+// it has them, else the chunk's pieces.
 // `devices` is the communicator's list: communicators live as long as the process.
 Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, const std::vector<int32_t>* devices,
                     bool direct) {
@@ -372,13 +367,14 @@ Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, const std::vector<
     // Reused by the thread: a fresh vector grew (allocated) several times per chunk.
     thread_local std::vector<Stats::LaneBytes> lane_bytes;
     lane_bytes.clear();
-    const int64_t written = !plan->moves.empty()
-                                ? RunMoves(*plan, chunk, v, *devices, &lane_bytes)
-                                : RunPieces(*plan, chunk, v, *devices, &lane_bytes);
+    if (!plan->moves.empty()) RunMoves(*plan, chunk, v, *devices, &lane_bytes);
+    else RunPieces(*plan, chunk, v, *devices, &lane_bytes);
     if (v.streaming) StoreFence();
     Stats& stats = GlobalStats();
     stats.AddLaneBytes(plan->on_sdma, plan->lanes_per_npu, lane_bytes);
-    stats.AddExchanged(written, direct);
+    const ChunkBytes& bytes = plan->chunk_bytes[chunk];
+    stats.AddExchanged(bytes.carried * v.rows, direct);
+    stats.AddLocal(bytes.local * v.rows);
   };
   return phase;
 }

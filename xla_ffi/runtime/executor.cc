@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <iterator>
 #include <mutex>
 #include <pthread.h>
 #include <thread>
@@ -27,6 +28,28 @@ int HostWorkers() {
 }
 
 void NameThisThread(const char* name) { pthread_setname_np(pthread_self(), name); }
+
+void Splice(Job* job, size_t after, Job&& more) {
+  job->phases.insert(job->phases.begin() + static_cast<std::ptrdiff_t>(after) + 1,
+                     std::make_move_iterator(more.phases.begin()), std::make_move_iterator(more.phases.end()));
+  if (!more.on_done) return;
+  job->on_done = [inner = std::move(more.on_done), outer = std::move(job->on_done)] {
+    inner();
+    if (outer) outer();
+  };
+}
+
+void RunPhasesHere(Job* job) {
+  for (size_t i = 0; i < job->phases.size(); ++i) {
+    const Phase& phase = job->phases[i];
+    for (uint64_t t = 0; t < phase.count; ++t) phase.run(t);
+    if (phase.count == 0 || !phase.then) continue;
+    Job more;
+    job->phases[i].then(&more);
+    Splice(job, i, std::move(more));
+  }
+  job->phases.clear();
+}
 
 namespace {
 
@@ -98,6 +121,16 @@ class Executor {
     r->job->phases[phase].run(index);
     lock.lock();
     if (++r->done < r->job->phases[phase].count) return;
+    if (r->job->phases[phase].then) {
+      // Every task of the phase is done and the next phase is not open: no
+      // one else touches this job's phases but under the lock, taken back
+      // to splice them in.
+      lock.unlock();
+      Job more;
+      r->job->phases[phase].then(&more);
+      lock.lock();
+      Splice(r->job.get(), phase, std::move(more));
+    }
     r->phase++;
     r->next = r->done = 0;
     if (!SettlePhase(*r)) {

@@ -15,10 +15,19 @@
 
 namespace strata {
 
+struct Job;
+
 // `count` independent tasks; a phase starts when the previous one finished.
 struct Phase {
   uint64_t count = 0;
   std::function<void(uint64_t)> run;
+  // Optional: runs once after the phase's last task, on the thread that ran
+  // it (no lock held), before the next phase opens. The phases it puts in
+  // `more` run next, and an on_done it sets there runs before the job's own.
+  // How work whose shape an earlier phase works out joins its job: MoE
+  // dispatch's plan is built from the slots its first phase assigns. A phase
+  // with `then` must have tasks (an empty phase is skipped, then and all).
+  std::function<void(Job* more)> then;
 };
 
 struct Job {
@@ -26,6 +35,15 @@ struct Job {
   // Called once, after the last task of the last phase, on a worker thread.
   std::function<void()> on_done;
 };
+
+// Appends `more` (what a phase's `then` produced) to `job` after phase
+// `after`: its phases next, its on_done before the job's own.
+void Splice(Job* job, size_t after, Job&& more);
+
+// Runs every phase of `job` on the calling thread, in order, with what their
+// `then`s add; leaves the job without phases and with the on_done still to
+// run (the small ops a group's last rank runs on the spot).
+void RunPhasesHere(Job* job);
 
 int HostWorkers();
 

@@ -10,14 +10,20 @@ const char* PlannerName(Planner planner) {
 }
 
 void Plan::Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts, uint32_t span) {
+  Add(srcs.data(), static_cast<uint32_t>(srcs.size()), dsts.data(), static_cast<uint32_t>(dsts.size()), span);
+}
+
+void Plan::Add(const BlockRef* srcs, uint32_t src_count, const BlockRef* dsts, uint32_t dst_count,
+               uint32_t span) {
   Transfer t;
   t.span = span;
   t.src_begin = static_cast<uint32_t>(refs.size());
-  t.src_count = static_cast<uint32_t>(srcs.size());
-  refs.insert(refs.end(), srcs.begin(), srcs.end());
+  t.src_count = src_count;
+  refs.insert(refs.end(), srcs, srcs + src_count);
   t.dst_begin = static_cast<uint32_t>(refs.size());
-  t.dst_count = static_cast<uint32_t>(dsts.size());
-  refs.insert(refs.end(), dsts.begin(), dsts.end());
+  t.dst_count = dst_count;
+  refs.insert(refs.end(), dsts, dsts + dst_count);
+  for (uint32_t k = 1; k < dst_count; ++k) t.local_copies += dsts[k].rank == dsts[k - 1].rank;
   transfers.push_back(t);
 }
 
@@ -217,6 +223,19 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
     acc += plan.tasks[t].bytes;
   }
   plan.chunk_starts.push_back(static_cast<uint32_t>(plan.tasks.size()));
+  plan.chunk_bytes.assign(plan.chunk_starts.size() - 1, ChunkBytes{});
+  for (size_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) {
+    ChunkBytes& bytes = plan.chunk_bytes[c];
+    for (uint32_t i = plan.chunk_starts[c]; i < plan.chunk_starts[c + 1]; ++i) {
+      for (uint32_t pi = plan.tasks[i].piece_begin; pi < plan.tasks[i].piece_end; ++pi) {
+        const Piece& piece = plan.pieces[pi];
+        const Transfer& t = plan.transfers[piece.transfer];
+        if (t.src_count == 0) continue;
+        bytes.carried += (piece.col_end - piece.col_begin) * (t.dst_count - t.local_copies);
+        bytes.local += (piece.col_end - piece.col_begin) * t.local_copies;
+      }
+    }
+  }
 
   // 4. Moves, when the plan is only 1 -> 1 copies, or a small fan-out copy.
   plan.moves.clear();

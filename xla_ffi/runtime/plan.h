@@ -30,11 +30,24 @@ struct BlockRun {
 };
 
 // Reduce (or copy, with one source) `srcs` into every one of `dsts`.
-// No sources means the destinations are zero-filled (ppermute's silent ranks).
+// No sources means the destinations are zero-filled (ppermute's silent ranks,
+// MoE dispatch's empty expert rows). A rank's destinations are listed
+// together: the first carries the data to that rank, the others are copies
+// made there (MoE dispatch's fan-out of a token to more of a rank's experts).
 struct Transfer {
   uint32_t src_begin, src_count;  // into Plan::refs
   uint32_t dst_begin, dst_count;
   uint32_t span = 1;  // consecutive blocks each ref covers
+  // Destinations on the same rank as the one listed before them (Plan::Add
+  // counts them): what the stats call local, not exchanged.
+  uint32_t local_copies = 0;
+};
+
+// Bytes per row one host chunk's pieces carry to destination ranks
+// (`carried`: Stats' bytes_exchanged) and copy within a rank (`local`:
+// bytes_local); zero fills are neither.
+struct ChunkBytes {
+  int64_t carried = 0, local = 0;
 };
 
 enum class Planner : int32_t { kBalanced = 0, kNaive = 1 };
@@ -90,6 +103,7 @@ struct Plan {
   // chunk_starts[i+1]). Lanes are the emulated hardware's split; a host
   // thread takes a few at once so tiny lanes do not cost a dispatch each.
   std::vector<uint32_t> chunk_starts;
+  std::vector<ChunkBytes> chunk_bytes;  // per chunk
   // When every transfer is a plain 1 -> 1 copy (all_to_all, ppermute): the
   // host's moves, chunk i's being [move_starts[i], move_starts[i+1]), in the
   // order and with the merged runs the pieces would give. A small fan-out
@@ -103,6 +117,9 @@ struct Plan {
   bool is_reduction() const { return op != ReduceOp::kNone; }
   int64_t Columns(const Transfer& t) const { return t.span * block_bytes; }
   void Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts, uint32_t span = 1);
+  // The same from arrays (plans of many small transfers: MoE dispatch's rows).
+  void Add(const BlockRef* srcs, uint32_t src_count, const BlockRef* dsts, uint32_t dst_count,
+           uint32_t span = 1);
 };
 
 // Splits every transfer's columns over its destination ranks (each computes a

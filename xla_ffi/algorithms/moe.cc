@@ -721,8 +721,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
   if (!st.ok) return done(st);
   GlobalStats().ops++;
 
-  enum { kX = 0, kRecv };
-  PtrList ptrs = {me->rows.in(0), me->rows.out(0)};
+  PtrList ptrs = {me->rows.in(0), me->rows.out(0)};  // PlanJob's in and out
   // The starter runs inside some rank's JoinAsync, while that rank's `p` is
   // alive; capturing it by reference keeps the lambda in std::function's
   // inline buffer (a copy of MoeParams was an allocation per rank per op).
@@ -787,11 +786,14 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       std::vector<const int32_t*> slots(ranks.size());
       for (size_t r = 0; r < ranks.size(); ++r) slots[r] = ranks[r]->pair_slot;
       Plan plan;
-      Status st = BuildMoeDispatchPlan(shape, slots, &plan);
+      Status st = BuildMoeDispatchPlan(shape, slots, &plan);  // its errors name the op
       std::shared_ptr<Job> rows;
-      if (st.ok) st = PlanJob(*slot, std::move(plan), MoeDispatchRunParams(shape), &rows);
+      if (st.ok) {
+        st = PlanJob(*slot, std::move(plan), MoeDispatchRunParams(shape), &rows);
+        if (!st.ok) st = Status::Error(std::string(kDispatchName) + ": " + st.message);
+      }
       if (!st.ok) {
-        for (DispatchRank* r : ranks) r->error = std::string(kDispatchName) + ": " + st.message;
+        for (DispatchRank* r : ranks) r->error = st.message;
         return;
       }
       *more = std::move(*rows);

@@ -34,15 +34,13 @@ struct MoeOpShape {
 // contended. The model times the same tasks.
 inline constexpr int64_t kMoeTaskBytes = 256 << 10;
 
-// Whether dispatch's expert-row tasks run on the SDMA engines or the vector
-// cores: the collectives' rule (collective.h, MovesOnSdma) over the rank's
-// bytes (its tokens in, its experts' slots out).
+// Whether the hand-written model's dispatch tasks (model.cc MoeProgram, no
+// longer reached: dispatch is a plan, on PlanJob's lanes) run on the SDMA
+// engines or the vector cores: the collectives' rule (collective.h,
+// MovesOnSdma) over the rank's bytes (its tokens in, its experts' slots out).
 inline bool MoeDispatchOnSdma(int64_t tokens, int64_t row_bytes, int64_t local_slots, int engines,
                               double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps) {
   return MovesOnSdma((tokens + local_slots) * row_bytes, engines, descriptor_us, sdma_gbps);
-}
-inline bool MoeDispatchOnSdma(const MoeOpShape& p) {
-  return MoeDispatchOnSdma(p.tokens, p.row_bytes(), p.local_experts() * p.capacity, p.engines);
 }
 
 }  // namespace strata

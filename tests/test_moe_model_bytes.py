@@ -96,8 +96,13 @@ def test_dispatch_lanes_match_the_model(mesh8, mode, dtype, capacity):
     if mode == "buffer_centric":
         # Dispatch is a plan (algorithms/moe_plan.h): the model's staging
         # lanes read and write each byte PlanJob stages (the x rows read in,
-        # every expert row out); the fan-out happens in the exchange.
-        assert staged == 2 * stats["bytes_staged"] > 0
+        # the rows that crossed out) and each row the owner copies from a
+        # staged one (bytes_local: the fan-out happens at copy-out), and
+        # write the rows it zeroes.
+        rows = E * capacity * 136 * np.dtype(dtype).itemsize
+        zeroed = rows - stats["bytes_exchanged"] - stats["bytes_local"]  # the rows no pair fills
+        assert stats["bytes_local"] > 0 and zeroed >= 0
+        assert staged == 2 * stats["bytes_staged"] + 2 * stats["bytes_local"] + zeroed
     else:
         assert staged == 0 and stats["bytes_staged"] == 0
 

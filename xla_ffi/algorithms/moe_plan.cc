@@ -1,5 +1,6 @@
 #include "moe_plan.h"
 
+#include <algorithm>
 #include <sstream>
 #include <string>
 
@@ -9,6 +10,25 @@ namespace strata {
 
 namespace {
 const char* const kName = Collective(OpKind::kMoeDispatch).builder.name;  // "strata.moe.dispatch"
+
+// slot / per_rank for 0 <= slot < 2^31 without a divide: q = (slot * m) >>
+// (31 + L), m = ceil(2^(31+L) / d), L = ceil(log2 d), exact for such slots
+// (m * d - 2^(31+L) < d <= 2^L: Granlund and Montgomery's round-up method).
+class OwnerOf {
+ public:
+  explicit OwnerOf(int64_t d) : shift_(31 + CeilLog2(d)), magic_(((uint64_t{1} << shift_) + d - 1) / d) {}
+  int32_t operator()(int32_t slot) const { return static_cast<int32_t>((static_cast<uint64_t>(slot) * magic_) >> shift_); }
+
+ private:
+  static int CeilLog2(int64_t d) {
+    int l = 0;
+    while ((int64_t{1} << l) < d) ++l;
+    return l;
+  }
+  int shift_;
+  uint64_t magic_;
+};
+
 }  // namespace
 
 OpParams MoeDispatchRunParams(const MoeOpShape& p) {
@@ -43,31 +63,35 @@ Status BuildMoeDispatchPlan(const MoeOpShape& p, const std::vector<const int32_t
   plan->dtype = p.dtype;
   plan->op = ReduceOp::kNone;
 
-  // Per global slot: the token filling it (rank * tokens + t, -1: empty);
-  // -1 if it leads its token on its rank, else the lead's slot; the next of
-  // a lead's followers (a lead's entry: its first), ascending.
-  std::vector<int32_t> source(slots, -1), lead(slots, -1), next(slots, -1);
+  // Per global slot: the rank and token filling it (rank -1: empty); -1 if
+  // it leads its token on its rank, else the lead's slot; the next of a
+  // lead's followers (a lead's entry: its first), ascending. No division per
+  // slot or pair (a 64-bit divide each was most of the build): owners come
+  // from a reciprocal, rows from nested loops.
+  std::vector<int32_t> src_rank(slots, -1), src_token(slots), lead(slots, -1), next(slots, -1);
+  const OwnerOf owner_of(std::max<int64_t>(per_rank, 1));
   struct Lead {
-    int64_t owner;
+    int32_t owner;
     int32_t slot;
   };
   std::vector<Lead> leads(k_top);
   for (int r = 0; r < n; ++r) {
     const int32_t* mine = pair_slot[r];
-    for (int64_t first = 0; first < pairs; first += k_top) {
+    for (int64_t token = 0, first = 0; first < pairs; ++token, first += k_top) {
       int64_t num_leads = 0;
       for (int64_t i = first; i < first + k_top; ++i) {
         const int32_t slot = mine[i];
         if (slot == -1) continue;
-        if (slot < -1 || slot >= slots || source[slot] >= 0) {
+        if (slot < -1 || slot >= slots || src_rank[slot] >= 0) {
           std::ostringstream os;
-          os << kName << ": rank " << r << "'s pair (token " << i / k_top << ", k=" << i % k_top << ") has slot "
+          os << kName << ": rank " << r << "'s pair (token " << token << ", k=" << i - first << ") has slot "
              << slot << (slot < -1 || slot >= slots ? ", outside [-1, " + std::to_string(slots) + ")"
                                                      : ", which another pair fills too");
           return Status::Error(os.str());
         }
-        source[slot] = static_cast<int32_t>(r * tokens + i / k_top);
-        const int64_t owner = slot / per_rank;
+        src_rank[slot] = r;
+        src_token[slot] = static_cast<int32_t>(token);
+        const int32_t owner = owner_of(slot);
         int32_t led_by = -1;
         for (int64_t j = 0; j < num_leads && led_by < 0; ++j)
           if (leads[j].owner == owner) led_by = leads[j].slot;
@@ -80,49 +104,55 @@ Status BuildMoeDispatchPlan(const MoeOpShape& p, const std::vector<const int32_t
   // from the highest slot down.
   for (int64_t slot = slots - 1; slot >= 0; --slot) {
     const int32_t l = lead[slot];
-    if (source[slot] < 0 || l < 0) continue;
+    if (src_rank[slot] < 0 || l < 0) continue;
     next[slot] = next[l];
     next[l] = static_cast<int32_t>(slot);
   }
 
+  // At most a transfer per slot, a source and a destination per pair.
+  plan->transfers.reserve(std::min<int64_t>(slots, n * pairs + n));
+  plan->refs.reserve(2 * std::min<int64_t>(slots, n * pairs) + n);
   std::vector<BlockRef> dsts;
-  bool open_zeros = false, open_run = false;  // the last transfer can take the next row
-  for (int64_t slot = 0; slot < slots; ++slot) {
-    const int32_t owner = static_cast<int32_t>(slot / per_rank), row = static_cast<int32_t>(slot % per_rank);
-    if (row == 0) open_zeros = open_run = false;  // a transfer stays on one rank's rows
-    const int32_t src = source[slot];
-    if (src < 0) {
-      if (open_zeros) {
-        plan->transfers.back().span++;
+  for (int32_t owner = 0; owner < n; ++owner) {
+    // The last transfer can take the next row: it stays on one rank's rows.
+    bool open_zeros = false, open_run = false;
+    const int64_t base = owner * per_rank;
+    for (int32_t row = 0; row < per_rank; ++row) {
+      const int64_t slot = base + row;
+      const int32_t from_rank = src_rank[slot];
+      if (from_rank < 0) {
+        if (open_zeros) {
+          plan->transfers.back().span++;
+          continue;
+        }
+        const BlockRef dst{owner, row};
+        plan->Add(nullptr, 0, &dst, 1);
+        open_zeros = true;
+        open_run = false;
         continue;
       }
-      const BlockRef dst{owner, row};
-      plan->Add(nullptr, 0, &dst, 1);
-      open_zeros = true;
-      open_run = false;
-      continue;
-    }
-    open_zeros = false;
-    if (lead[slot] >= 0) {
-      open_run = false;  // a follower: its lead's transfer writes it
-      continue;
-    }
-    const BlockRef from{static_cast<int32_t>(src / tokens), static_cast<int32_t>(src % tokens)};
-    if (next[slot] < 0 && open_run) {
-      const Transfer& t = plan->transfers.back();
-      const BlockRef& s = plan->refs[t.src_begin];
-      const BlockRef& d = plan->refs[t.dst_begin];
-      if (s.rank == from.rank && s.block + static_cast<int64_t>(t.span) == from.block &&
-          d.block + static_cast<int64_t>(t.span) == row) {
-        plan->transfers.back().span++;
+      open_zeros = false;
+      if (lead[slot] >= 0) {
+        open_run = false;  // a follower: its lead's transfer writes it
         continue;
       }
+      const BlockRef from{from_rank, src_token[slot]};
+      if (next[slot] < 0 && open_run) {
+        const Transfer& t = plan->transfers.back();
+        const BlockRef& s = plan->refs[t.src_begin];
+        const BlockRef& d = plan->refs[t.dst_begin];
+        if (s.rank == from.rank && s.block + static_cast<int64_t>(t.span) == from.block &&
+            d.block + static_cast<int64_t>(t.span) == row) {
+          plan->transfers.back().span++;
+          continue;
+        }
+      }
+      dsts.clear();
+      dsts.push_back({owner, row});
+      for (int32_t f = next[slot]; f >= 0; f = next[f]) dsts.push_back({owner, static_cast<int32_t>(f - base)});
+      plan->Add(&from, 1, dsts.data(), static_cast<uint32_t>(dsts.size()));
+      open_run = dsts.size() == 1;
     }
-    dsts.clear();
-    dsts.push_back({owner, row});
-    for (int32_t f = next[slot]; f >= 0; f = next[f]) dsts.push_back({owner, static_cast<int32_t>(f % per_rank)});
-    plan->Add(&from, 1, dsts.data(), static_cast<uint32_t>(dsts.size()));
-    open_run = dsts.size() == 1;
   }
   return Status::Ok();
 }

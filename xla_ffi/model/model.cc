@@ -369,20 +369,25 @@ namespace {
 // A local copy of `bytes` on `rank`, split evenly over its lanes in 64-byte
 // aligned parts (every lane works when there is work, as the planner's
 // lanes do: a copy that got one more lane past each 16 KiB made the modeled
-// time fall as the message grew).
-void AddLocalCopies(ModelPhase& phase, int rank, int64_t bytes, int lanes) {
-  if (bytes <= 0) return;
-  const int64_t units = (bytes + 63) / 64;
-  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(lanes, units));
+// time fall as the message grew). `zero_bytes` more are only written (zero
+// fills), split the same way.
+void AddLocalCopies(ModelPhase& phase, int rank, int64_t bytes, int lanes, int64_t zero_bytes = 0) {
+  if (bytes + zero_bytes <= 0) return;
+  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(lanes, (bytes + zero_bytes + 63) / 64));
+  // Lane l's share of `total`, in 64-byte units.
+  auto share = [used](int64_t total, int64_t l) {
+    const int64_t units = (total + 63) / 64;
+    return std::min(total, units * (l + 1) / used * 64) - std::min(total, units * l / used * 64);
+  };
   for (int64_t l = 0; l < used; ++l) {
-    const int64_t part = std::min(bytes, units * (l + 1) / used * 64) - std::min(bytes, units * l / used * 64);
-    if (part <= 0) continue;
+    const int64_t part = share(bytes, l), zeros = share(zero_bytes, l);
+    if (part <= 0 && zeros <= 0) continue;
     ModelPiece p;
     p.rank = rank;
     p.lane = static_cast<int32_t>(l);
     p.io_begin = static_cast<uint32_t>(phase.io.size());
-    phase.io.push_back({rank, 0, part});
-    phase.io.push_back({rank, 1, part});
+    if (part > 0) phase.io.push_back({rank, 0, part});
+    if (part + zeros > 0) phase.io.push_back({rank, 1, part + zeros});
     p.io_end = static_cast<uint32_t>(phase.io.size());
     phase.pieces.push_back(p);
   }
@@ -442,12 +447,17 @@ Program PlanRounds(const OpParams& p, const std::function<Plan(int64_t width)>& 
                                 " cannot hold one column of the op's blocks");
   prog.sync_end = false;
   // The blocks each rank stages in and out.
+  // With `runs`, staging out also covers the rank's own local copies (read
+  // + write, as a staged block) and zero fills (write only).
   std::vector<int64_t> in_blocks(p.group_size, p.in_blocks), out_blocks(p.group_size, p.out_blocks);
+  std::vector<int64_t> zero_blocks(p.group_size, 0);
   if (runs) {
     for (int r = 0; r < p.group_size; ++r) {
       in_blocks[r] = out_blocks[r] = 0;
       for (const BlockRun& run : runs->in[r]) in_blocks[r] += run.end - run.begin;
       for (const BlockRun& run : runs->out[r]) out_blocks[r] += run.end - run.begin;
+      for (const StagedRuns::LocalCopy& c : runs->copies[r]) out_blocks[r] += c.span;
+      for (const BlockRun& run : runs->zeros[r]) zero_blocks[r] += run.end - run.begin;
     }
   }
   const int64_t block = p.block_bytes;
@@ -467,7 +477,8 @@ Program PlanRounds(const OpParams& p, const std::function<Plan(int64_t width)>& 
     out.lanes = kind;
     out.sync_before = true;  // every peer's writes into this rank's buffer are in
     out.repeat = count;
-    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, p.rows * out_blocks[r] * w, lanes);
+    for (int r = 0; r < p.group_size; ++r)
+      AddLocalCopies(out, r, p.rows * out_blocks[r] * w, lanes, p.rows * zero_blocks[r] * w);
     prog.phases.push_back(std::move(out));
   }
   return prog;
@@ -495,7 +506,7 @@ Program PlanProgram(Plan plan, const OpParams& op_params, const Machine& m) {
   plan.on_sdma = PlanMovesOnSdma(plan, p.rows, p.engines, m.sdma_descriptor_us, m.sdma_gbps);
   p.movement_lanes = plan.on_sdma ? 1 : 0;
   StagedRuns runs;
-  if (p.mode == Mode::kBufferCentric) runs = PlanStagedRuns(plan);
+  if (p.mode == Mode::kBufferCentric) plan = PlanStagedRuns(plan, &runs);
   return PlanRounds(p, [&plan, &p](int64_t width) {
     Plan round = plan;
     round.block_bytes = width;

@@ -478,6 +478,21 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
           StageBlocks(v.out[r], user_out[r], false, rows, out_blocks, run.begin, run.end, m, lo, w);
           blocks += run.end - run.begin;
         }
+        // Then the rank's own work on the columns just staged out.
+        int64_t copied = 0;
+        for (const StagedRuns::LocalCopy& c : runs->copies[r]) {
+          for (int64_t row = 0; row < rows; ++row) {
+            char* base = user_out[r] + row * out_blocks * m + lo;
+            for (int64_t b = 0; b < c.span; ++b)
+              std::memcpy(base + (c.dst_block + b) * m, base + (c.src_block + b) * m, w);
+          }
+          copied += c.span;
+        }
+        for (const BlockRun& run : runs->zeros[r])
+          for (int64_t row = 0; row < rows; ++row)
+            for (int64_t b = run.begin; b < run.end; ++b)
+              std::memset(user_out[r] + (row * out_blocks + b) * m + lo, 0, w);
+        GlobalStats().AddLocal(rows * copied * w);
       }
       GlobalStats().AddStaged((*devices)[r], rows * blocks * w);
     };
@@ -503,17 +518,6 @@ Status StagedJob(const Slot& s, Communicator* comm, const OpParams& p,
   if (!st.ok) release();
   else job->on_done = release;
   return st;
-}
-
-// Merges one rank's block runs (sorted by start) where they touch or overlap.
-std::vector<BlockRun> MergeRuns(std::vector<BlockRun> runs) {
-  std::sort(runs.begin(), runs.end(), [](const BlockRun& a, const BlockRun& b) { return a.begin < b.begin; });
-  std::vector<BlockRun> merged;
-  for (const BlockRun& run : runs) {
-    if (!merged.empty() && run.begin <= merged.back().end) merged.back().end = std::max(merged.back().end, run.end);
-    else merged.push_back(run);
-  }
-  return merged;
 }
 
 }  // namespace
@@ -580,23 +584,75 @@ bool PlanMovesOnSdma(const Plan& plan, int64_t rows, int engines, double descrip
   return MovesOnSdma(rows * busiest, engines, descriptor_us, sdma_gbps);
 }
 
-StagedRuns PlanStagedRuns(const Plan& plan) {
-  StagedRuns runs;
-  runs.in.resize(plan.num_ranks);
-  runs.out.resize(plan.num_ranks);
-  for (const Transfer& t : plan.transfers) {
-    for (uint32_t k = 0; k < t.src_count; ++k) {
-      const BlockRef& b = plan.refs[t.src_begin + k];
-      runs.in[b.rank].push_back({b.block, b.block + t.span});
+namespace {
+
+// Blocks [0, blocks) marked in `marked` as merged runs, ascending.
+void MarkedRuns(const std::vector<uint8_t>& marked, std::vector<BlockRun>* runs) {
+  const int64_t blocks = static_cast<int64_t>(marked.size());
+  for (int64_t b = 0; b < blocks;) {
+    if (!marked[b]) {
+      ++b;
+      continue;
     }
-    for (uint32_t k = 0; k < t.dst_count; ++k) {
-      const BlockRef& b = plan.refs[t.dst_begin + k];
-      runs.out[b.rank].push_back({b.block, b.block + t.span});
-    }
+    const int64_t begin = b;
+    while (b < blocks && marked[b]) ++b;
+    runs->push_back({begin, b});
   }
-  for (auto* per_rank : {&runs.in, &runs.out})
-    for (auto& rank_runs : *per_rank) rank_runs = MergeRuns(std::move(rank_runs));
-  return runs;
+}
+
+}  // namespace
+
+Plan PlanStagedRuns(const Plan& plan, StagedRuns* runs) {
+  Plan exchange;
+  exchange.num_ranks = plan.num_ranks;
+  exchange.in_blocks = plan.in_blocks;
+  exchange.out_blocks = plan.out_blocks;
+  exchange.block_bytes = plan.block_bytes;
+  exchange.dtype = plan.dtype;
+  exchange.op = plan.op;
+  exchange.on_sdma = plan.on_sdma;
+  exchange.refs.reserve(plan.refs.size());
+  exchange.transfers.reserve(plan.transfers.size());
+  const int n = plan.num_ranks;
+  runs->in.assign(n, {});
+  runs->out.assign(n, {});
+  runs->copies.assign(n, {});
+  runs->zeros.assign(n, {});
+  // Blocks read, written by the exchange, zeroed, per rank: marked, then
+  // read off as runs (sorting MoE's ten thousand rows' runs cost more than
+  // building its plan).
+  std::vector<std::vector<uint8_t>> read(n, std::vector<uint8_t>(plan.in_blocks, 0));
+  std::vector<std::vector<uint8_t>> written(n, std::vector<uint8_t>(plan.out_blocks, 0));
+  std::vector<std::vector<uint8_t>> zeroed(n, std::vector<uint8_t>(plan.out_blocks, 0));
+  auto mark = [](std::vector<uint8_t>& marks, const BlockRef& b, uint32_t span) {
+    std::fill_n(marks.begin() + b.block, span, uint8_t{1});
+  };
+  std::vector<BlockRef> carried;
+  for (const Transfer& t : plan.transfers) {
+    const BlockRef* dsts = plan.refs.data() + t.dst_begin;
+    if (t.src_count == 0) {
+      for (uint32_t k = 0; k < t.dst_count; ++k) mark(zeroed[dsts[k].rank], dsts[k], t.span);
+      continue;
+    }
+    carried.clear();
+    for (uint32_t k = 0; k < t.dst_count; ++k) {
+      if (k > 0 && dsts[k].rank == dsts[k - 1].rank) {
+        runs->copies[dsts[k].rank].push_back({carried.back().block, dsts[k].block, t.span});
+        continue;
+      }
+      carried.push_back(dsts[k]);
+      mark(written[dsts[k].rank], dsts[k], t.span);
+    }
+    const BlockRef* srcs = plan.refs.data() + t.src_begin;
+    for (uint32_t k = 0; k < t.src_count; ++k) mark(read[srcs[k].rank], srcs[k], t.span);
+    exchange.Add(srcs, t.src_count, carried.data(), static_cast<uint32_t>(carried.size()), t.span);
+  }
+  for (int r = 0; r < n; ++r) {
+    MarkedRuns(read[r], &runs->in[r]);
+    MarkedRuns(written[r], &runs->out[r]);
+    MarkedRuns(zeroed[r], &runs->zeros[r]);
+  }
+  return exchange;
 }
 
 Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) {
@@ -606,8 +662,8 @@ Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) 
   p.movement_lanes = plan.on_sdma ? 1 : 0;
   Communicator* comm = GetCommunicator(s.devices);
   if (p.mode == Mode::kBufferCentric) {
-    auto runs = std::make_shared<const StagedRuns>(PlanStagedRuns(plan));
-    auto base = std::make_shared<const Plan>(std::move(plan));
+    auto runs = std::make_shared<StagedRuns>();
+    auto base = std::make_shared<const Plan>(PlanStagedRuns(plan, runs.get()));
     auto round_plan = [base, &p](int64_t width) {
       Plan round = *base;
       round.block_bytes = width;

@@ -131,13 +131,27 @@ Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job);
 bool PlanMovesOnSdma(const Plan& plan, int64_t rows, int engines, double descriptor_us = kSdmaDescriptorUs,
                      double sdma_gbps = kSdmaGbps);
 
-// The blocks a plan reads (in) and writes (out) on each rank, as merged runs
-// sorted by start: what buffer_centric stages for such a plan (PlanJob; the
-// model's staging of it too).
+// buffer_centric's form of a plan (PlanJob's; the model's too): what crosses
+// between comm buffers, and what each rank does on its own output after
+// staging out, as a vendor library's copy-out does. A transfer's destinations
+// on the rank before them (Transfer::local_copies: MoE dispatch's fan-out of a
+// token to more of a rank's experts) are copied there from the one that
+// crossed, and zero fills (MoE's empty expert rows) are written there: neither
+// passes through the comm buffers, so the exchange carries one copy per rank
+// and the copy-out only what crossed. `in`/`out`: the blocks the exchange
+// reads and writes on each rank, as merged runs sorted by start (what is
+// staged in and out).
 struct StagedRuns {
+  struct LocalCopy {
+    int64_t src_block, dst_block, span;
+  };
   std::vector<std::vector<BlockRun>> in, out;  // per rank
+  std::vector<std::vector<LocalCopy>> copies;  // per rank, on its user output
+  std::vector<std::vector<BlockRun>> zeros;    // per rank, on its user output
 };
-StagedRuns PlanStagedRuns(const Plan& plan);
+// Fills `runs` and returns the plan the comm buffers exchange: `plan`'s
+// transfers without their local copies, zero fills left out.
+Plan PlanStagedRuns(const Plan& plan, StagedRuns* runs);
 
 // buffer_centric mode: the columns of every block that fit the comm buffer at
 // once (the op runs in rounds of this many); <= 0 when not even one fits.

@@ -119,8 +119,16 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
   for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti) {
     const Transfer& t = plan.transfers[ti];
     const int64_t cols = plan.Columns(t);
+    if (t.dst_count == 0 || cols <= 0) continue;
+    if (t.dst_count == 1 || cols < 2 * kMinShareBytes) {
+      // One share (MoE's rows, ragged runs): no divide per transfer, which
+      // cost MoE dispatch's ten thousand transfers most of Partition's time.
+      const int32_t npu = plan.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank;
+      by_npu[npu].push_back({ti, npu, 0, cols});
+      continue;
+    }
     const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, cols / kMinShareBytes));
-    for (int64_t s = 0; s < shares && t.dst_count > 0; ++s) {
+    for (int64_t s = 0; s < shares; ++s) {
       int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align));
       int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align));
       if (c1 <= c0) continue;
@@ -168,8 +176,11 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
       while (pi < mine.size() && done < quota_end) {
         const Piece& p = mine[pi];
         const int64_t bpc = BytesPerColumn(plan.transfers[p.transfer]);
-        const int64_t want_cols = (quota_end - done + bpc - 1) / bpc;
-        int64_t end = std::min(p.col_end, col + want_cols);
+        // The rest of the piece fits the quota: no divide (most pieces of a
+        // plan of many small transfers).
+        int64_t end = (p.col_end - col) * bpc <= quota_end - done
+                          ? p.col_end
+                          : std::min(p.col_end, col + (quota_end - done + bpc - 1) / bpc);
         // A short tail of a piece that is not the NPU's last goes with this
         // lane rather than making the next one straddle two pieces.
         if (end < p.col_end && l + 1 != used && pi + 1 < mine.size() && 2 * (p.col_end - end) <= kMessageBytes)

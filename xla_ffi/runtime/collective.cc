@@ -473,25 +473,27 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
       if (!runs) {
         StageBlocks(v.out[r], user_out[r], false, rows, out_blocks, 0, out_blocks, m, lo, w);
       } else {
-        blocks = 0;
-        for (const BlockRun& run : runs->out[r]) {
-          StageBlocks(v.out[r], user_out[r], false, rows, out_blocks, run.begin, run.end, m, lo, w);
-          blocks += run.end - run.begin;
-        }
-        // Then the rank's own work on the columns just staged out.
-        int64_t copied = 0;
-        for (const StagedRuns::LocalCopy& c : runs->copies[r]) {
-          for (int64_t row = 0; row < rows; ++row) {
-            char* base = user_out[r] + row * out_blocks * m + lo;
-            for (int64_t b = 0; b < c.span; ++b)
-              std::memcpy(base + (c.dst_block + b) * m, base + (c.src_block + b) * m, w);
+        // One ordered pass over the rank's output (StagedRuns::copy_out).
+        const char* comm_out = v.out[r];
+        char* out = user_out[r];
+        for (int64_t row = 0; row < rows; ++row) {
+          const int64_t first = row * out_blocks;
+          for (const StagedRuns::CopyOut& c : runs->copy_out[r]) {
+            char* dst = out + (first + c.dst_block) * m + lo;
+            if (c.src_block < 0) {
+              if (w == m) std::memset(dst, 0, c.span * m);
+              else for (int64_t b = 0; b < c.span; ++b) std::memset(dst + b * m, 0, w);
+              continue;
+            }
+            const char* src = comm_out + (first + c.src_block) * w;
+            if (w == m) std::memcpy(dst, src, c.span * m);
+            else for (int64_t b = 0; b < c.span; ++b) std::memcpy(dst + b * m, src + b * w, w);
           }
-          copied += c.span;
         }
-        for (const BlockRun& run : runs->zeros[r])
-          for (int64_t row = 0; row < rows; ++row)
-            for (int64_t b = run.begin; b < run.end; ++b)
-              std::memset(user_out[r] + (row * out_blocks + b) * m + lo, 0, w);
+        blocks = 0;
+        for (const BlockRun& run : runs->out[r]) blocks += run.end - run.begin;
+        int64_t copied = 0;
+        for (const StagedRuns::LocalCopy& c : runs->copies[r]) copied += c.span;
         GlobalStats().AddLocal(rows * copied * w);
       }
       GlobalStats().AddStaged((*devices)[r], rows * blocks * w);
@@ -618,39 +620,66 @@ Plan PlanStagedRuns(const Plan& plan, StagedRuns* runs) {
   runs->out.assign(n, {});
   runs->copies.assign(n, {});
   runs->zeros.assign(n, {});
-  // Blocks read, written by the exchange, zeroed, per rank: marked, then
+  runs->copy_out.assign(n, {});
+  // Per rank: blocks read by the exchange (marked), and where each output
+  // block comes from (its own block in the comm buffer when the exchange
+  // writes it, the block that crossed for a local copy, kZero, or kUntouched),
   // read off as runs (sorting MoE's ten thousand rows' runs cost more than
   // building its plan).
+  constexpr int64_t kUntouched = -1, kZero = -2;
   std::vector<std::vector<uint8_t>> read(n, std::vector<uint8_t>(plan.in_blocks, 0));
-  std::vector<std::vector<uint8_t>> written(n, std::vector<uint8_t>(plan.out_blocks, 0));
-  std::vector<std::vector<uint8_t>> zeroed(n, std::vector<uint8_t>(plan.out_blocks, 0));
-  auto mark = [](std::vector<uint8_t>& marks, const BlockRef& b, uint32_t span) {
-    std::fill_n(marks.begin() + b.block, span, uint8_t{1});
-  };
+  std::vector<std::vector<int64_t>> source(n, std::vector<int64_t>(plan.out_blocks, kUntouched));
   std::vector<BlockRef> carried;
   for (const Transfer& t : plan.transfers) {
     const BlockRef* dsts = plan.refs.data() + t.dst_begin;
     if (t.src_count == 0) {
-      for (uint32_t k = 0; k < t.dst_count; ++k) mark(zeroed[dsts[k].rank], dsts[k], t.span);
+      for (uint32_t k = 0; k < t.dst_count; ++k)
+        std::fill_n(source[dsts[k].rank].begin() + dsts[k].block, t.span, kZero);
       continue;
     }
     carried.clear();
     for (uint32_t k = 0; k < t.dst_count; ++k) {
+      int64_t* from = source[dsts[k].rank].data() + dsts[k].block;
       if (k > 0 && dsts[k].rank == dsts[k - 1].rank) {
-        runs->copies[dsts[k].rank].push_back({carried.back().block, dsts[k].block, t.span});
+        const int64_t src = carried.back().block;
+        runs->copies[dsts[k].rank].push_back({src, dsts[k].block, t.span});
+        for (uint32_t i = 0; i < t.span; ++i) from[i] = src + i;
         continue;
       }
       carried.push_back(dsts[k]);
-      mark(written[dsts[k].rank], dsts[k], t.span);
+      for (uint32_t i = 0; i < t.span; ++i) from[i] = dsts[k].block + i;
     }
     const BlockRef* srcs = plan.refs.data() + t.src_begin;
-    for (uint32_t k = 0; k < t.src_count; ++k) mark(read[srcs[k].rank], srcs[k], t.span);
+    for (uint32_t k = 0; k < t.src_count; ++k)
+      std::fill_n(read[srcs[k].rank].begin() + srcs[k].block, t.span, uint8_t{1});
     exchange.Add(srcs, t.src_count, carried.data(), static_cast<uint32_t>(carried.size()), t.span);
   }
   for (int r = 0; r < n; ++r) {
     MarkedRuns(read[r], &runs->in[r]);
-    MarkedRuns(written[r], &runs->out[r]);
-    MarkedRuns(zeroed[r], &runs->zeros[r]);
+    const std::vector<int64_t>& from = source[r];
+    for (int64_t b = 0; b < plan.out_blocks;) {
+      if (from[b] == kUntouched) {
+        ++b;
+        continue;
+      }
+      // One run while the source stays contiguous (or stays a zero fill).
+      const int64_t begin = b, first = from[b];
+      auto continues = [&](int64_t i) { return first == kZero ? from[i] == kZero : from[i] == first + (i - begin); };
+      while (b < plan.out_blocks && continues(b)) ++b;
+      const int64_t src = first == kZero ? -1 : first;
+      runs->copy_out[r].push_back({begin, src, b - begin});
+      if (first == kZero) runs->zeros[r].push_back({begin, b});
+    }
+    // The exchange's own writes: blocks that come from themselves.
+    for (int64_t b = 0; b < plan.out_blocks;) {
+      if (from[b] != b) {
+        ++b;
+        continue;
+      }
+      const int64_t begin = b;
+      while (b < plan.out_blocks && from[b] == b) ++b;
+      runs->out[r].push_back({begin, b});
+    }
   }
   return exchange;
 }

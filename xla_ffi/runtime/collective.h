@@ -148,6 +148,16 @@ struct StagedRuns {
   std::vector<std::vector<BlockRun>> in, out;  // per rank
   std::vector<std::vector<LocalCopy>> copies;  // per rank, on its user output
   std::vector<std::vector<BlockRun>> zeros;    // per rank, on its user output
+  // The copy-out itself: every block of the rank's output that the plan
+  // writes, in output order, as runs whose source is contiguous in the comm
+  // buffer (src_block < 0: a zero fill). One ordered pass writes each output
+  // block once, a local copy straight from the block that crossed (not
+  // back out of the user buffer, which cost the cache misses of a second
+  // pass over it).
+  struct CopyOut {
+    int64_t dst_block, src_block, span;
+  };
+  std::vector<std::vector<CopyOut>> copy_out;  // per rank
 };
 // Fills `runs` and returns the plan the comm buffers exchange: `plan`'s
 // transfers without their local copies, zero fills left out.

@@ -506,7 +506,7 @@ Program PlanProgram(Plan plan, const OpParams& op_params, const Machine& m) {
   plan.on_sdma = PlanMovesOnSdma(plan, p.rows, p.engines, m.sdma_descriptor_us, m.sdma_gbps);
   p.movement_lanes = plan.on_sdma ? 1 : 0;
   StagedRuns runs;
-  if (p.mode == Mode::kBufferCentric) plan = PlanStagedRuns(plan, &runs);
+  if (p.mode == Mode::kBufferCentric) PlanStagedRuns(&plan, &runs);
   return PlanRounds(p, [&plan, &p](int64_t width) {
     Plan round = plan;
     round.block_bytes = width;

@@ -159,9 +159,9 @@ struct StagedRuns {
   };
   std::vector<std::vector<CopyOut>> copy_out;  // per rank
 };
-// Fills `runs` and returns the plan the comm buffers exchange: `plan`'s
-// transfers without their local copies, zero fills left out.
-Plan PlanStagedRuns(const Plan& plan, StagedRuns* runs);
+// Fills `runs` and makes `plan` the plan the comm buffers exchange: its
+// transfers without their local copies, zero fills left out (unpartitioned).
+void PlanStagedRuns(Plan* plan, StagedRuns* runs);
 
 // buffer_centric mode: the columns of every block that fit the comm buffer at
 // once (the op runs in rounds of this many); <= 0 when not even one fits.

@@ -749,11 +749,12 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
     }
 
     // Phase 1, a task per rank: place its pairs in (token, k) order after
-    // all pairs of lower ranks, and tell the owning ranks where each of
-    // their rows comes from.
+    // all pairs of lower ranks, tell the owning ranks where each of their
+    // rows comes from, and enter its slots in the plan.
+    auto builder = std::make_shared<MoeDispatchPlanBuilder>(p);
     Phase place;
     place.count = n;
-    place.run = [ranks, layout, el, cap, pairs](uint64_t rank) {
+    place.run = [ranks, layout, builder, el, cap, pairs](uint64_t rank) {
       DispatchRank& me = *ranks[rank];
       for (DispatchRank::Entry& entry : me.entries) {
         entry.owner = static_cast<int32_t>(entry.expert / el);
@@ -778,25 +779,33 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
         me.recv_counts[l] = static_cast<int32_t>(filled);
         std::fill(me.slot_source + l * cap + filled, me.slot_source + (l + 1) * cap, -1);
       }
+      builder->Sources(static_cast<int>(rank), me.pair_slot);
     };
-    // Then the rows move: the plan of the slots just placed, run as any
-    // plan is (either mode, the NPUs' lanes, stats: each (token, rank) pair
-    // crosses once, the fan-out to the rank's other rows is local).
-    place.then = [shape = static_cast<const MoeOpShape&>(p), ranks, slot = &s](Job* more) {
-      std::vector<const int32_t*> slots(ranks.size());
-      for (size_t r = 0; r < ranks.size(); ++r) slots[r] = ranks[r]->pair_slot;
-      Plan plan;
-      Status st = BuildMoeDispatchPlan(shape, slots, &plan);  // its errors name the op
-      std::shared_ptr<Job> rows;
-      if (st.ok) {
-        st = PlanJob(*slot, std::move(plan), MoeDispatchRunParams(shape), &rows);
-        if (!st.ok) st = Status::Error(std::string(kDispatchName) + ": " + st.message);
-      }
-      if (!st.ok) {
-        for (DispatchRank* r : ranks) r->error = st.message;
-        return;
-      }
-      *more = std::move(*rows);
+    // Then the rows move: the plan of the slots just placed (each owner's
+    // transfers built in parallel, phase 2), run as any plan is (either
+    // mode, the NPUs' lanes, stats: each (token, rank) pair crosses once,
+    // the fan-out to the rank's other rows is local).
+    place.then = [shape = static_cast<const MoeOpShape&>(p), ranks, builder, slot = &s](Job* more) {
+      Phase owners;
+      owners.count = ranks.size();
+      owners.run = [builder](uint64_t owner) { builder->Owner(static_cast<int32_t>(owner)); };
+      owners.then = [shape, ranks, builder, slot](Job* rows_job) {
+        std::vector<const int32_t*> slots(ranks.size());
+        for (size_t r = 0; r < ranks.size(); ++r) slots[r] = ranks[r]->pair_slot;
+        Plan plan;
+        Status st = builder->Finish(slots, &plan);  // its errors name the op
+        std::shared_ptr<Job> rows;
+        if (st.ok) {
+          st = PlanJob(*slot, std::move(plan), MoeDispatchRunParams(shape), &rows);
+          if (!st.ok) st = Status::Error(std::string(kDispatchName) + ": " + st.message);
+        }
+        if (!st.ok) {
+          for (DispatchRank* r : ranks) r->error = st.message;
+          return;
+        }
+        *rows_job = std::move(*rows);
+      };
+      more->phases.push_back(std::move(owners));
     };
     std::vector<Phase> phases;
     phases.push_back(std::move(place));

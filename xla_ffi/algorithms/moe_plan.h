@@ -28,6 +28,32 @@ namespace strata {
 // outside [-1, num_experts * capacity) or filled twice is an error.
 Status BuildMoeDispatchPlan(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot, Plan* plan);
 
+// BuildMoeDispatchPlan in steps that may run in parallel (the runtime runs
+// them as phases: its serial build was most of a small dispatch's time):
+// Sources(r) for every rank (reads only rank r's slots; may run as soon as
+// they are final), then Owner(o) for every rank (writes only rank o's
+// rows' transfers), then Finish, which reports bad slots as the serial walk
+// does and joins the owners' transfers in owner order (the same plan).
+class MoeDispatchPlanBuilder {
+ public:
+  explicit MoeDispatchPlanBuilder(const MoeOpShape& p);
+  void Sources(int r, const int32_t* pair_slot);
+  void Owner(int32_t owner);
+  Status Finish(const std::vector<const int32_t*>& pair_slot, Plan* plan);
+
+ private:
+  MoeOpShape p_;
+  int64_t per_rank_, slots_;
+  // Per global slot: the rank and token filling it (rank -1: empty); -1 if
+  // it leads its token on its rank, else the lead's slot; the next of a
+  // lead's followers (a lead's entry: its first), ascending. No division per
+  // slot or pair (a 64-bit divide each was most of the build): owners come
+  // from a reciprocal, rows from nested loops.
+  std::vector<int32_t> src_rank_, src_token_, lead_, next_;
+  std::vector<Plan> owners_;  // each owner's transfers, refs local to it
+  std::vector<uint8_t> bad_;  // per rank: a slot outside the range or taken
+};
+
 // The parameters the runtime runs that plan with (PlanJob; the model's
 // PlanProgram and traces the same).
 OpParams MoeDispatchRunParams(const MoeOpShape& p);

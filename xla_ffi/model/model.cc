@@ -455,9 +455,8 @@ Program PlanRounds(const OpParams& p, const std::function<Plan(int64_t width)>& 
     for (int r = 0; r < p.group_size; ++r) {
       in_blocks[r] = out_blocks[r] = 0;
       for (const BlockRun& run : runs->in[r]) in_blocks[r] += run.end - run.begin;
-      for (const BlockRun& run : runs->out[r]) out_blocks[r] += run.end - run.begin;
-      for (const StagedRuns::LocalCopy& c : runs->copies[r]) out_blocks[r] += c.span;
-      for (const BlockRun& run : runs->zeros[r]) zero_blocks[r] += run.end - run.begin;
+      out_blocks[r] = runs->crossed[r] + runs->copied[r];
+      zero_blocks[r] = runs->zeroed[r];
     }
   }
   const int64_t block = p.block_bytes;

@@ -497,10 +497,8 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
             else for (int64_t b = 0; b < c.span; ++b) std::memcpy(dst + b * m, src + b * w, w);
           }
         }
-        blocks = 0;
-        for (const BlockRun& run : runs->out[r]) blocks += run.end - run.begin;
-        int64_t copied = 0;
-        for (const StagedRuns::LocalCopy& c : runs->copies[r]) copied += c.span;
+        blocks = runs->crossed[r];
+        const int64_t copied = runs->copied[r];
         GlobalStats().AddLocal(rows * copied * w);
       }
       GlobalStats().AddStaged((*devices)[r], rows * blocks * w);
@@ -619,9 +617,9 @@ void PlanStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
   Plan& plan = *plan_ptr;
   const int n = plan.num_ranks;
   runs->in.assign(n, {});
-  runs->out.assign(n, {});
-  runs->copies.assign(n, {});
-  runs->zeros.assign(n, {});
+  runs->crossed.assign(n, 0);
+  runs->copied.assign(n, 0);
+  runs->zeroed.assign(n, 0);
   runs->copy_out.assign(n, {});
   // Per rank: blocks read by the exchange (marked), and where each output
   // block comes from (its own block in the comm buffer when the exchange
@@ -646,7 +644,6 @@ void PlanStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
       int64_t* from = source[dst.rank].data() + dst.block;
       if (carried > 0 && dst.rank == dsts[carried - 1].rank) {
         const int64_t src = dsts[carried - 1].block;
-        runs->copies[dst.rank].push_back({src, dst.block, t.span});
         for (uint32_t s = 0; s < t.span; ++s) from[s] = src + s;
         continue;
       }
@@ -664,29 +661,30 @@ void PlanStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
   for (int r = 0; r < n; ++r) {
     MarkedRuns(read[r], &runs->in[r]);
     const std::vector<int64_t>& from = source[r];
+    std::vector<StagedRuns::CopyOut>& out = runs->copy_out[r];
+    int64_t crossed = 0, copied = 0, zeroed = 0;
     for (int64_t b = 0; b < plan.out_blocks;) {
-      if (from[b] == kUntouched) {
+      const int64_t first = from[b];
+      if (first == kUntouched) {
         ++b;
         continue;
       }
       // One run while the source stays contiguous (or stays a zero fill).
-      const int64_t begin = b, first = from[b];
-      auto continues = [&](int64_t i) { return first == kZero ? from[i] == kZero : from[i] == first + (i - begin); };
-      while (b < plan.out_blocks && continues(b)) ++b;
-      const int64_t src = first == kZero ? -1 : first;
-      runs->copy_out[r].push_back({begin, src, b - begin});
-      if (first == kZero) runs->zeros[r].push_back({begin, b});
-    }
-    // The exchange's own writes: blocks that come from themselves.
-    for (int64_t b = 0; b < plan.out_blocks;) {
-      if (from[b] != b) {
-        ++b;
+      const int64_t begin = b;
+      if (first == kZero) {
+        while (b < plan.out_blocks && from[b] == kZero) ++b;
+        zeroed += b - begin;
+        out.push_back({begin, -1, b - begin});
         continue;
       }
-      const int64_t begin = b;
-      while (b < plan.out_blocks && from[b] == b) ++b;
-      runs->out[r].push_back({begin, b});
+      while (b < plan.out_blocks && from[b] == first + (b - begin)) ++b;
+      // Blocks that come from themselves crossed; the others are local copies.
+      (first == begin ? crossed : copied) += b - begin;
+      out.push_back({begin, first, b - begin});
     }
+    runs->crossed[r] = crossed;
+    runs->copied[r] = copied;
+    runs->zeroed[r] = zeroed;
   }
 }
 

@@ -138,16 +138,11 @@ bool PlanMovesOnSdma(const Plan& plan, int64_t rows, int engines, double descrip
 // token to more of a rank's experts) are copied there from the one that
 // crossed, and zero fills (MoE's empty expert rows) are written there: neither
 // passes through the comm buffers, so the exchange carries one copy per rank
-// and the copy-out only what crossed. `in`/`out`: the blocks the exchange
-// reads and writes on each rank, as merged runs sorted by start (what is
-// staged in and out).
+// and the copy-out only what crossed.
 struct StagedRuns {
-  struct LocalCopy {
-    int64_t src_block, dst_block, span;
-  };
-  std::vector<std::vector<BlockRun>> in, out;  // per rank
-  std::vector<std::vector<LocalCopy>> copies;  // per rank, on its user output
-  std::vector<std::vector<BlockRun>> zeros;    // per rank, on its user output
+  // The blocks the exchange reads on each rank, as merged runs sorted by
+  // start (what is staged in).
+  std::vector<std::vector<BlockRun>> in;
   // The copy-out itself: every block of the rank's output that the plan
   // writes, in output order, as runs whose source is contiguous in the comm
   // buffer (src_block < 0: a zero fill). One ordered pass writes each output
@@ -158,6 +153,10 @@ struct StagedRuns {
     int64_t dst_block, src_block, span;
   };
   std::vector<std::vector<CopyOut>> copy_out;  // per rank
+  // Per rank, in blocks: those that crossed (staged out), local copies, zero
+  // fills (what stats and the model count; lists of them cost the serial
+  // step between MoE dispatch's phases more than the rest of it).
+  std::vector<int64_t> crossed, copied, zeroed;
 };
 // Fills `runs` and makes `plan` the plan the comm buffers exchange: its
 // transfers without their local copies, zero fills left out (unpartitioned).

@@ -115,34 +115,56 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
   // (a 4 KB all_gather over 384 ranks) goes to fewer ranks, rotating with
   // the transfer so every rank still gets its turn.
   constexpr int64_t kMinShareBytes = 4096;
-  std::vector<std::vector<Piece>> by_npu(n);
-  for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti) {
-    const Transfer& t = plan.transfers[ti];
-    const int64_t cols = plan.Columns(t);
-    if (t.dst_count == 0 || cols <= 0) continue;
-    if (t.dst_count == 1 || cols < 2 * kMinShareBytes) {
-      // One share (MoE's rows, ragged runs): no divide per transfer, which
-      // cost MoE dispatch's ten thousand transfers most of Partition's time.
-      const int32_t npu = plan.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank;
-      by_npu[npu].push_back({ti, npu, 0, cols});
-      continue;
+  // Every share, to `emit(transfer, npu, col_begin, col_end)`; run twice:
+  // to count each NPU's pieces, then to place them in one array by NPU (a
+  // vector per NPU grown piece by piece cost MoE dispatch's ten thousand
+  // transfers a third of Partition).
+  auto shares_of = [&](auto&& emit) {
+    for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti) {
+      const Transfer& t = plan.transfers[ti];
+      const int64_t cols = plan.Columns(t);
+      if (t.dst_count == 0 || cols <= 0) continue;
+      if (t.dst_count == 1 || cols < 2 * kMinShareBytes) {
+        // One share (MoE's rows, ragged runs): no divide per transfer, which
+        // cost MoE dispatch's ten thousand transfers most of Partition's time.
+        emit(ti, plan.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank, int64_t{0}, cols);
+        continue;
+      }
+      const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, cols / kMinShareBytes));
+      for (int64_t s = 0; s < shares; ++s) {
+        int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align));
+        int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align));
+        if (c1 <= c0) continue;
+        emit(ti, plan.refs[t.dst_begin + (s + ti) % t.dst_count].rank, c0, c1);
+      }
     }
-    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, cols / kMinShareBytes));
-    for (int64_t s = 0; s < shares; ++s) {
-      int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align));
-      int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align));
-      if (c1 <= c0) continue;
-      int32_t npu = plan.refs[t.dst_begin + (s + ti) % t.dst_count].rank;
-      by_npu[npu].push_back({ti, npu, c0, c1});
-    }
+  };
+  std::vector<size_t> npu_start(n + 1, 0);
+  shares_of([&](uint32_t, int32_t npu, int64_t, int64_t) { npu_start[npu + 1]++; });
+  for (int npu = 0; npu < n; ++npu) npu_start[npu + 1] += npu_start[npu];
+  std::vector<Piece> shares(npu_start[n]);
+  {
+    std::vector<size_t> next(npu_start.begin(), npu_start.end() - 1);
+    shares_of([&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) { shares[next[npu]++] = {ti, npu, c0, c1}; });
   }
+  // An NPU's pieces, in transfer order.
+  struct Pieces {
+    const Piece* first;
+    size_t count;
+    size_t size() const { return count; }
+    bool empty() const { return count == 0; }
+    const Piece& operator[](size_t i) const { return first[i]; }
+    const Piece* begin() const { return first; }
+    const Piece* end() const { return first + count; }
+  };
 
   // 2. Each NPU's pieces are split over its lanes.
   plan.pieces.clear();
   plan.tasks.clear();
   plan.lanes_per_npu = lanes;
+  plan.pieces.reserve(shares.size() + static_cast<size_t>(n) * lanes);  // a lane cuts at most one piece
   for (int npu = 0; npu < n; ++npu) {
-    const auto& mine = by_npu[npu];
+    const Pieces mine{shares.data() + npu_start[npu], npu_start[npu + 1] - npu_start[npu]};
     if (mine.empty()) continue;
     if (planner == Planner::kNaive) {
       // Piece i to lane i % lanes, unsplit: the per-peer loop.

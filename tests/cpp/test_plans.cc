@@ -727,6 +727,32 @@ void CheckMoeDispatchPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
   }
   CHECK(carried == distinct && carried + local == accepted,
         name.str() << ": carried " << carried << " local " << local << ", want " << distinct << " and " << accepted - distinct);
+  // The builder's steps in another order (as the runtime's phases may run
+  // them) give the same plan, and the busiest rank's bytes PlanMovesOnSdma
+  // would find.
+  {
+    MoeDispatchPlanBuilder builder(p);
+    for (int r = n - 1; r >= 0; --r) builder.Sources(r, ptrs[r]);
+    for (int o = n - 1; o >= 0; --o) builder.Owner(o);
+    Plan again;
+    CHECK(builder.Finish(ptrs, &again).ok, name.str() << ": the builder's steps refused");
+    bool same = again.transfers.size() == plan.transfers.size() && again.refs.size() == plan.refs.size();
+    for (size_t i = 0; same && i < plan.transfers.size(); ++i) {
+      const Transfer &a = again.transfers[i], &b = plan.transfers[i];
+      same = a.src_count == b.src_count && a.dst_count == b.dst_count && a.span == b.span &&
+             a.local_copies == b.local_copies;
+      for (uint32_t k = 0; same && k < a.src_count + a.dst_count; ++k)
+        same = again.refs[a.src_begin + k].rank == plan.refs[b.src_begin + k].rank &&
+               again.refs[a.src_begin + k].block == plan.refs[b.src_begin + k].block;
+    }
+    CHECK(same, name.str() << ": the builder's steps out of order gave another plan");
+    std::vector<int64_t> rank_bytes(n, 0);
+    for (const Transfer& t : plan.transfers)
+      for (uint32_t k = 0; k < t.src_count + t.dst_count; ++k) rank_bytes[plan.refs[t.src_begin + k].rank] += plan.Columns(t);
+    const int64_t busiest = *std::max_element(rank_bytes.begin(), rank_bytes.end());
+    CHECK(builder.BusiestRankBytes() == busiest,
+          name.str() << ": busiest rank bytes " << builder.BusiestRankBytes() << ", the plan's " << busiest);
+  }
   // Partitioned as the runtime does it: the chunks' carried/local bytes are the plan's.
   Partition(plan, lanes, Planner::kBalanced);
   int64_t chunk_carried = 0, chunk_local = 0;
@@ -746,13 +772,27 @@ void CheckMoeDispatchPlans(int64_t* plans) {
   // Bad slots are errors naming the rank and the pair.
   MoeOpShape p;
   p.group_size = 2, p.num_experts = 2, p.capacity = 2, p.tokens = 1, p.topk = 2, p.hidden = 1;
-  const int32_t out_of_range[2] = {0, 4}, twice[2] = {1, 1}, fine[2] = {-1, 3};
+  const int32_t out_of_range[2] = {0, 4}, twice[2] = {1, 1}, fine[2] = {-1, 3}, takes_3[2] = {3, -1};
   for (const auto& [rank0, want] : {std::pair<const int32_t*, std::string>{out_of_range, "outside [-1, 4)"},
                                     std::pair<const int32_t*, std::string>{twice, "another pair fills too"}}) {
     Plan plan;
     const Status st = BuildMoeDispatchPlan(p, {rank0, fine}, &plan);
     CHECK(!st.ok && st.message.find(want) != std::string::npos && st.message.find("rank 0") != std::string::npos,
           "moe_dispatch bad slots: " << st.message);
+  }
+  // Two ranks filling one slot: the later rank's pair is named, whichever
+  // rank's step claimed the slot first.
+  for (bool rank1_first : {false, true}) {
+    MoeDispatchPlanBuilder builder(p);
+    const std::vector<const int32_t*> both = {takes_3, fine};
+    if (rank1_first) builder.Sources(1, fine);
+    builder.Sources(0, takes_3);
+    if (!rank1_first) builder.Sources(1, fine);
+    for (int o = 0; o < 2; ++o) builder.Owner(o);
+    Plan plan;
+    const Status st = builder.Finish(both, &plan);
+    CHECK(!st.ok && st.message.find("rank 1's pair (token 0, k=1)") != std::string::npos,
+          "moe_dispatch slot filled by two ranks: " << st.message);
   }
 }
 

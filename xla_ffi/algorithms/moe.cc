@@ -796,7 +796,9 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
         Status st = builder->Finish(slots, &plan);  // its errors name the op
         std::shared_ptr<Job> rows;
         if (st.ok) {
-          st = PlanJob(*slot, std::move(plan), MoeDispatchRunParams(shape), &rows);
+          OpParams run = MoeDispatchRunParams(shape);
+          run.movement_lanes = MovesOnSdma(run.rows * builder->BusiestRankBytes(), run.engines) ? 1 : 0;
+          st = PlanJob(*slot, std::move(plan), run, &rows);
           if (!st.ok) st = Status::Error(std::string(kDispatchName) + ": " + st.message);
         }
         if (!st.ok) {

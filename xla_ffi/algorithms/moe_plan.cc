@@ -52,6 +52,7 @@ MoeDispatchPlanBuilder::MoeDispatchPlanBuilder(const MoeOpShape& p)
       per_rank_(p.local_experts() * p.capacity),
       slots_(p.group_size * per_rank_),
       owners_(p.group_size),
+      owner_rank_bytes_(p.group_size),
       bad_(p.group_size, 0) {
   if (slots_ > INT32_MAX || p.group_size * p.tokens > INT32_MAX) return;  // Finish says so
   src_rank_.assign(slots_, -1);
@@ -148,6 +149,12 @@ void MoeDispatchPlanBuilder::Owner(int32_t owner) {
     plan.Add(&from, 1, dsts.data(), static_cast<uint32_t>(dsts.size()));
     open_run = dsts.size() == 1;
   }
+  std::vector<int64_t>& bytes = owner_rank_bytes_[owner];
+  bytes.assign(p_.group_size, 0);
+  const int64_t rb = p_.row_bytes();
+  for (const Transfer& t : plan.transfers)
+    for (uint32_t k = 0; k < t.src_count + t.dst_count; ++k)  // sources, then destinations
+      bytes[plan.refs[t.src_begin + k].rank] += t.span * rb;
 }
 
 Status MoeDispatchPlanBuilder::Finish(const std::vector<const int32_t*>& pair_slot, Plan* plan) {
@@ -185,6 +192,10 @@ Status MoeDispatchPlanBuilder::Finish(const std::vector<const int32_t*>& pair_sl
   plan->op = ReduceOp::kNone;
   size_t transfers = 0, refs = 0;
   for (const Plan& o : owners_) transfers += o.transfers.size(), refs += o.refs.size();
+  std::vector<int64_t> rank_bytes(n, 0);
+  for (const std::vector<int64_t>& bytes : owner_rank_bytes_)
+    for (size_t r = 0; r < bytes.size(); ++r) rank_bytes[r] += bytes[r];
+  busiest_ = rank_bytes.empty() ? 0 : *std::max_element(rank_bytes.begin(), rank_bytes.end());
   plan->transfers.clear();
   plan->refs.clear();
   plan->transfers.reserve(transfers);

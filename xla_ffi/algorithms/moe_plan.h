@@ -40,6 +40,9 @@ class MoeDispatchPlanBuilder {
   void Sources(int r, const int32_t* pair_slot);
   void Owner(int32_t owner);
   Status Finish(const std::vector<const int32_t*>& pair_slot, Plan* plan);
+  // After Finish: the busiest rank's bytes read + written by the plan (what
+  // PlanMovesOnSdma walks the plan for), summed from the owners' counts.
+  int64_t BusiestRankBytes() const { return busiest_; }
 
  private:
   MoeOpShape p_;
@@ -51,6 +54,8 @@ class MoeDispatchPlanBuilder {
   // from a reciprocal, rows from nested loops.
   std::vector<int32_t> src_rank_, src_token_, lead_, next_;
   std::vector<Plan> owners_;  // each owner's transfers, refs local to it
+  std::vector<std::vector<int64_t>> owner_rank_bytes_;  // per owner: bytes each rank reads + writes
+  int64_t busiest_ = 0;
   std::vector<uint8_t> bad_;  // per rank: a slot outside the range or taken
 };
 

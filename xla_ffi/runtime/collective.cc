@@ -691,7 +691,9 @@ void PlanStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
 Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) {
   *job = std::make_shared<Job>();
   if (p.block_bytes == 0) return Status::Ok();
-  plan.on_sdma = PlanMovesOnSdma(plan, p.rows, p.engines);
+  // The caller may have made PlanMovesOnSdma's choice already (MoE dispatch
+  // sums the busiest rank's bytes in its parallel build: one walk fewer here).
+  plan.on_sdma = p.movement_lanes >= 0 ? p.movement_lanes == 1 : PlanMovesOnSdma(plan, p.rows, p.engines);
   p.movement_lanes = plan.on_sdma ? 1 : 0;
   Communicator* comm = GetCommunicator(s.devices);
   if (p.mode == Mode::kBufferCentric) {

@@ -124,6 +124,8 @@ Plan BuildPartitionedPlan(const OpParams& params);
 // plan changes with the data. buffer_centric stages only the blocks the plan
 // reads and writes (others keep the output's values). In strata mode a small
 // plan runs here, on the calling thread (RunsInline), leaving the job empty.
+// p.movement_lanes >= 0 is the caller's PlanMovesOnSdma choice for `plan`
+// (1: SDMA engines), made already; otherwise PlanJob makes it.
 Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job);
 
 // PlanJob's lanes for such a plan (the model's too): reductions on cores;

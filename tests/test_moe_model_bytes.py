@@ -37,7 +37,7 @@ def _squeeze(handle):
     return jax.tree.map(lambda a: a[0], handle)
 
 
-def run_and_model(mesh, op, mode, dtype, tokens, hidden, capacity, seed, engines=ENGINES):
+def run_and_model(mesh, op, mode, dtype, tokens, hidden, capacity, seed, engines=ENGINES, planner="balanced"):
     """(runtime lane bytes, model exchange lane bytes, runtime stats, model
     bytes of its staging phases), each lane keyed (npu, "core"/"sdma", lane)."""
     rng = np.random.default_rng(seed)
@@ -46,7 +46,7 @@ def run_and_model(mesh, op, mode, dtype, tokens, hidden, capacity, seed, engines
                                random_array(rng, (N * tokens, K), np.float32),
                                random_array(rng, (E, capacity, hidden), dtype),
                                random_array(rng, (N * tokens, hidden), dtype))
-    with strata.config(mode=mode, cores_per_npu=CORES, sdma_engines_per_npu=engines):
+    with strata.config(mode=mode, cores_per_npu=CORES, sdma_engines_per_npu=engines, planner=planner):
         def dispatch(x, i):
             recv, handle = strata.moe.dispatch(x, i, axis_name="x", num_experts=E, capacity=capacity)
             return recv, jax.tree.map(lambda a: a[None], handle)
@@ -75,7 +75,8 @@ def run_and_model(mesh, op, mode, dtype, tokens, hidden, capacity, seed, engines
     pair_slot = np.asarray(handle.pair_slot).reshape(N, tokens * K)
     m = strata.emulator.model(op, npus=N, tokens=tokens, hidden=hidden, top_k=K, num_experts=E,
                               capacity=capacity, dtype=np.dtype(dtype).name, mode=mode, cores_per_npu=CORES,
-                              sdma_engines_per_npu=engines, keep_slices=True, pair_slot=pair_slot)
+                              sdma_engines_per_npu=engines, keep_slices=True, pair_slot=pair_slot,
+                              planner=planner)
     modeled, staged = collections.Counter(), 0
     for rank, kind, lane, phase, _, _, nbytes in m.slices:
         if m.phase_kinds[int(phase)] == 0:  # the exchange; 1, 2: staging in, out
@@ -105,6 +106,17 @@ def test_dispatch_lanes_match_the_model(mesh8, mode, dtype, capacity):
         assert staged == 2 * stats["bytes_staged"] + 2 * stats["bytes_local"] + zeroed
     else:
         assert staged == 0 and stats["bytes_staged"] == 0
+
+
+@pytest.mark.parametrize("mode", ["strata", "buffer_centric"])
+def test_dispatch_honours_the_planner(mesh8, mode):
+    # strata.config(planner=) splits dispatch's plan as it splits the
+    # collectives': the naive planner (a piece per lane in turn) gives other
+    # lanes than the balanced one, on the host and in the model alike.
+    naive, modeled, _, _ = run_and_model(mesh8, "moe_dispatch", mode, np.float32, 48, 136, 20, 3, planner="naive")
+    balanced, _, _, _ = run_and_model(mesh8, "moe_dispatch", mode, np.float32, 48, 136, 20, 3)
+    assert naive and naive == modeled
+    assert naive != balanced and sum(naive.values()) == sum(balanced.values())
 
 
 def test_dispatch_on_sdma_engines_matches_the_model(mesh8):

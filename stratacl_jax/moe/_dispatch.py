@@ -133,7 +133,7 @@ def _lower(x, idx, *, group, num_experts, capacity, settings):
                for a in _abstract_eval(x, idx, group=group, num_experts=num_experts, capacity=capacity,
                                        settings=settings)]
     return call("strata_moe_dispatch", group, settings, (x, idx), results, num_experts=np.int32(num_experts),
-                capacity=np.int64(capacity))
+                capacity=np.int64(capacity), planner=np.int32(_ffi._PLANNER_CODE[settings.planner]))
 
 
 def _jvp(primals, tangents, *, group, num_experts, capacity, settings):

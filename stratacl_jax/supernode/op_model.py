@@ -424,7 +424,7 @@ def _model_moe(op, n, mode, sp, dtype, settings, keep_slices, rank_npu, *, token
         MOE_OPS.index(op), n, int(num_experts), int(tokens), int(top_k), int(capacity), row_bytes,
         weight_bytes, int(settings["cores_per_npu"]), int(settings["sdma_engines_per_npu"]),
         mode == "buffer_centric", int(settings["comm_buffer_bytes"]), pair_slot, sp.machine(), rank_npu,
-        bool(keep_slices), DTYPE_CODE[dtype])
+        bool(keep_slices), DTYPE_CODE[dtype], _PLANNER_CODE[settings["planner"]])
     accepted, unique = moe_routing_stats(pair_slot, el * int(capacity), int(top_k))
     # DeepEP: bytes of tokens received, a token counted once per destination rank.
     deepep_per_rank = unique * row_bytes / n

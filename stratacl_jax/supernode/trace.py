@@ -278,6 +278,7 @@ class Trace:
                       "hidden": first["hidden"], "top_k": first["topk"],
                       "num_experts": first["num_experts"], "capacity": first["capacity"],
                       "cores": first["cores"], "engines": first["engines"],
+                      "planner": "naive" if first["planner"] else "balanced",
                       "comm_buffer_bytes": first["comm_buffer_bytes"], "routing": routing}
         rec = OpRecord(op=op, group_size=n, bytes_per_rank=int(bpr), mode=mode, dtype=dtype,
                        host_us=max(end) - min(arrive), modeled_us={}, devices=devices,
@@ -326,7 +327,7 @@ class Trace:
         # The layout the runtime computed (every rank's pair_slot), not a re-derivation.
         return model(p["op"], tokens=p["tokens"], hidden=p["hidden"], top_k=p["top_k"],
                      num_experts=p["num_experts"], capacity=p["capacity"], pair_slot=p["routing"],
-                     **common)
+                     planner=p.get("planner", "balanced"), **common)
 
     def _placement(self, devices):
         """Where the group's ranks sit on the preset: device d is NPU d (the

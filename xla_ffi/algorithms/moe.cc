@@ -29,7 +29,7 @@ std::string MoeParams::Describe(const char* opname) const {
      << " capacity=" << capacity << " tokens=" << tokens << " topk=" << topk
      << " hidden=" << hidden << " dtype=" << DTypeName(dtype) << " cores=" << cores
      << " engines=" << engines << " mode=" << (mode == Mode::kStrata ? "strata" : "buffer_centric")
-     << " comm_buffer_bytes=" << comm_buffer_bytes;
+     << " planner=" << PlannerName(planner) << " comm_buffer_bytes=" << comm_buffer_bytes;
   return os.str();
 }
 
@@ -37,7 +37,7 @@ Signature MoeParams::Sign(const char* opname) const {
   SignatureHasher h;
   h.Add(opname, std::strlen(opname));
   h.Add(group_size).Add(num_experts).Add(capacity).Add(tokens).Add(topk).Add(hidden).Add(dtype);
-  h.Add(cores).Add(engines).Add(mode).Add(comm_buffer_bytes);
+  h.Add(cores).Add(engines).Add(mode).Add(comm_buffer_bytes).Add(planner);
   Signature sig;
   sig.hash = h.hash();
   // `this` outlives JoinAsync (the caller's parameters), which is all keep needs.

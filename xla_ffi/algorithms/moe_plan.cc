@@ -43,6 +43,7 @@ OpParams MoeDispatchRunParams(const MoeOpShape& p) {
   o.mode = p.mode;
   o.cores = p.cores;
   o.engines = p.engines;
+  o.planner = p.planner;
   o.comm_buffer_bytes = p.comm_buffer_bytes;
   return o;
 }

@@ -216,7 +216,8 @@ MoeShape ToShape(int ranks, int experts, int64_t tokens, int64_t topk, int64_t c
 nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, int64_t capacity,
                   int64_t row_bytes, int64_t weight_bytes, int cores, int engines, bool buffer_centric,
                   int64_t comm_buffer_bytes, I32Matrix pair_slot, nb::dict machine,
-                  std::vector<int32_t> rank_npu, bool keep_slices, int dtype) {
+                  std::vector<int32_t> rank_npu, bool keep_slices, int dtype, int planner) {
+  if (planner < 0 || planner >= kPlannerCount) throw std::invalid_argument("unknown planner code");
   const MoeShape s = ToShape(ranks, experts, tokens, topk, capacity, row_bytes, weight_bytes, cores,
                              engines, buffer_centric, comm_buffer_bytes);
   if (static_cast<int>(pair_slot.shape(0)) != ranks || static_cast<int64_t>(pair_slot.shape(1)) != tokens * topk)
@@ -242,6 +243,7 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
       shape.cores = cores;
       shape.engines = engines;
       shape.mode = buffer_centric ? Mode::kBufferCentric : Mode::kStrata;
+      shape.planner = static_cast<Planner>(planner);
       shape.comm_buffer_bytes = comm_buffer_bytes;
       std::vector<const int32_t*> rank_slots(ranks);
       for (int r = 0; r < ranks; ++r) rank_slots[r] = slots[r].data();
@@ -370,6 +372,7 @@ nb::list TakeRecords() {
       d["cores"] = p.cores;
       d["engines"] = p.engines;
       d["mode"] = static_cast<int>(p.mode);
+      d["planner"] = static_cast<int>(p.planner);
       d["comm_buffer_bytes"] = p.comm_buffer_bytes;
       d["routing"] = ToNumpy(std::move(r.routing), {static_cast<size_t>(p.tokens * p.topk)});
     }

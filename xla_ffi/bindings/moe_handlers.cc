@@ -56,6 +56,7 @@ MoeCall MakeCall(int32_t device, ffi::RunId run, ffi::Buffer<ffi::S32> meta, int
 
 constexpr const char* kDispatch = "strata.moe.dispatch";
 constexpr const char* kCombine = "strata.moe.combine";
+constexpr const char* kCombineBackward = "strata.moe.combine (backward)";  // as algorithms/moe.cc names it
 
 ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ffi_common::SiteInstance* instance, ffi::AnyBuffer x,
                         ffi::AnyBuffer topk_idx, ffi::Buffer<ffi::S32> meta,
@@ -65,8 +66,10 @@ ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, f
                         ffi::Result<ffi::Buffer<ffi::S32>> dropped, int64_t site_id,
                         int32_t group_size, int32_t num_devices, int32_t num_experts,
                         int64_t capacity, int32_t cores, int32_t engines, int32_t mode,
-                        int64_t comm_buffer_bytes, int64_t timeout_ms) {
+                        int32_t planner, int64_t comm_buffer_bytes, int64_t timeout_ms) {
   if (auto err = CheckPool(kDispatch, pool, num_devices)) return Failed(std::move(*err));
+  if (planner < 0 || planner >= kPlannerCount)
+    return Failed(Invalid(kDispatch, "planner code " + std::to_string(planner) + " is not one of strata's"));
   std::optional<DType> dtype = ToDType(x.element_type());
   if (!dtype) return Failed(Invalid(kDispatch, "unsupported token dtype"));
   if (meta.element_count() != 2) return Failed(Invalid(kDispatch, "rank operand must hold (rank, group)"));
@@ -97,6 +100,7 @@ ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, f
   p.cores = cores;
   p.engines = engines;
   p.mode = static_cast<Mode>(mode);
+  p.planner = static_cast<Planner>(planner);
   p.comm_buffer_bytes = comm_buffer_bytes;
   const int64_t el = p.local_experts();
   if (recv_x->element_type() != x.element_type() ||
@@ -174,9 +178,9 @@ ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool 
                                int32_t group_size, int32_t num_devices, int32_t cores,
                                int32_t engines, int32_t mode, int64_t comm_buffer_bytes,
                                int64_t timeout_ms) {
-  if (auto err = CheckPool(kCombine, pool, num_devices)) return Failed(std::move(*err));
+  if (auto err = CheckPool(kCombineBackward, pool, num_devices)) return Failed(std::move(*err));
   MoeParams p;
-  if (auto err = CombineParams(kCombine, expert_y, weights, pair_slot, meta, group_size, cores,
+  if (auto err = CombineParams(kCombineBackward, expert_y, weights, pair_slot, meta, group_size, cores,
                                engines, mode, comm_buffer_bytes, &p))
     return Failed(std::move(*err));
   const int64_t el = p.local_experts();
@@ -187,7 +191,7 @@ ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool 
       !HasDims(d_expert_y->dimensions(), {el, p.capacity, p.hidden}) ||
       d_weights->element_type() != weights.element_type() ||
       !HasDims(d_weights->dimensions(), {p.tokens, p.topk}))
-    return Failed(Invalid(kCombine, "backward operand shapes do not match"));
+    return Failed(Invalid(kCombineBackward, "backward operand shapes do not match"));
   ffi_common::Handoff handoff;
   MoeCombineBackwardAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance),
                           ct_y.untyped_data(), expert_y.untyped_data(), weights.untyped_data(),
@@ -221,6 +225,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StrataMoeDispatch, strata::DispatchImpl,
                                   .Attr<int32_t>("cores")
                                   .Attr<int32_t>("engines")
                                   .Attr<int32_t>("mode")
+                                  .Attr<int32_t>("planner")
                                   .Attr<int64_t>("comm_buffer_bytes")
                                   .Attr<int64_t>("timeout_ms"));
 

@@ -18,6 +18,9 @@ struct MoeOpShape {
   int64_t capacity = 0;
   int64_t tokens = 0, topk = 0, hidden = 0;  // per rank
   DType dtype = DType::F32;                   // token / expert rows
+  // How a plan's work is split over lanes (strata.config(planner=)): MoE
+  // dispatch's plan honours it; combine's engine has its own split.
+  Planner planner = Planner::kBalanced;
   int32_t cores = 1, engines = 1;
   // kBufferCentric: the vendor-library baseline. Rows peers read are first
   // copied into this rank's communication buffer, results are written to one

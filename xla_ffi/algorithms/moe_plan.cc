@@ -107,6 +107,7 @@ void MoeDispatchPlanBuilder::Owner(int32_t owner) {
     next_[l] = static_cast<int32_t>(slot);
   }
   Plan& plan = owners_[owner];
+  plan.block_bytes = p_.row_bytes();  // for its Columns
   plan.transfers.clear();
   plan.refs.clear();
   plan.transfers.reserve(per_rank_);
@@ -150,12 +151,8 @@ void MoeDispatchPlanBuilder::Owner(int32_t owner) {
     plan.Add(&from, 1, dsts.data(), static_cast<uint32_t>(dsts.size()));
     open_run = dsts.size() == 1;
   }
-  std::vector<int64_t>& bytes = owner_rank_bytes_[owner];
-  bytes.assign(p_.group_size, 0);
-  const int64_t rb = p_.row_bytes();
-  for (const Transfer& t : plan.transfers)
-    for (uint32_t k = 0; k < t.src_count + t.dst_count; ++k)  // sources, then destinations
-      bytes[plan.refs[t.src_begin + k].rank] += t.span * rb;
+  owner_rank_bytes_[owner].assign(p_.group_size, 0);
+  AddRankBytes(plan, &owner_rank_bytes_[owner]);
 }
 
 Status MoeDispatchPlanBuilder::Finish(const std::vector<const int32_t*>& pair_slot, Plan* plan) {

@@ -421,15 +421,19 @@ void StageBlocks(const char* from, char* to, bool into_comm, int64_t rows, int64
   }
 }
 
+// One round's plan, at the round's column width; called once per round, in
+// order, `last` on the final one (which may take what it was built from).
+using RoundPlan = std::function<std::shared_ptr<const Plan>(int64_t width, bool last)>;
+
 // The vendor-library baseline: each rank's data is copied into its comm
 // buffer, the exchange runs between comm buffers, and results are copied out,
 // in rounds of columns when the message is larger than the buffer. Each
 // round exchanges its window as a whole op of that width (its own plan,
-// `round_plan(width)`), so every rank and lane shares every round's work, as
+// `round_plan(width, last)`), so every rank and lane shares every round's work, as
 // a vendor library's rounds do. Every block is staged, or `runs`' when given.
 // Every copy is one task of a phase; phases run in order.
 Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* communicator,
-                        const OpParams& p, const std::function<std::shared_ptr<const Plan>(int64_t)>& round_plan,
+                        const OpParams& p, const RoundPlan& round_plan,
                         std::shared_ptr<const StagedRuns> runs, Job* job) {
   const int64_t m = p.block_bytes;
   const int64_t max_blocks = std::max(p.in_blocks, p.out_blocks);
@@ -452,7 +456,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
   const std::vector<int32_t>* devices = &communicator->devices;  // lives as long as the process
   for (int64_t lo = 0; lo < m; lo += window) {
     const int64_t w = std::min(window, m - lo);
-    std::shared_ptr<const Plan> plan = round_plan(w);
+    std::shared_ptr<const Plan> plan = round_plan(w, /*last=*/lo + w >= m);
     v.block_stride = w;  // the round's plan addresses the window's own columns
     v.in_row_stride = in_blocks * w;
     v.out_row_stride = out_blocks * w;
@@ -513,7 +517,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
 // buffer_centric's job on a set of the communicator's comm buffers, which go
 // back to it when the job is done (or failed to be made).
 Status StagedJob(const Slot& s, Communicator* comm, const OpParams& p,
-                 const std::function<std::shared_ptr<const Plan>(int64_t)>& round_plan,
+                 const RoundPlan& round_plan,
                  std::shared_ptr<const StagedRuns> runs, Job* job) {
   std::shared_ptr<CommBuffers> buffers = comm->AcquireBuffers(p.comm_buffer_bytes);
   if (!buffers)
@@ -561,7 +565,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
               Communicator* comm = GetCommunicator(s.devices);
               *job = std::make_shared<Job>();
               if (p.mode == Mode::kBufferCentric) {
-                auto round_plan = [comm, &p](int64_t width) {
+                auto round_plan = [comm, &p](int64_t width, bool /*last*/) {
                   OpParams round = p;
                   round.block_bytes = width;
                   round.movement_lanes = MovesOnSdma(p) ? 1 : 0;  // the op's choice, every round
@@ -579,14 +583,18 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
             });
 }
 
+void AddRankBytes(const Plan& plan, std::vector<int64_t>* rank_bytes) {
+  for (const Transfer& t : plan.transfers) {
+    for (uint32_t k = 0; k < t.src_count; ++k) (*rank_bytes)[plan.refs[t.src_begin + k].rank] += plan.Columns(t);
+    for (uint32_t k = 0; k < t.dst_count; ++k) (*rank_bytes)[plan.refs[t.dst_begin + k].rank] += plan.Columns(t);
+  }
+}
+
 bool PlanMovesOnSdma(const Plan& plan, int64_t rows, int engines, double descriptor_us, double sdma_gbps) {
   if (plan.is_reduction()) return false;
   // The busiest rank's bytes read + written decide, as a collective's buffers do.
   std::vector<int64_t> rank_bytes(plan.num_ranks, 0);
-  for (const Transfer& t : plan.transfers) {
-    for (uint32_t k = 0; k < t.src_count; ++k) rank_bytes[plan.refs[t.src_begin + k].rank] += plan.Columns(t);
-    for (uint32_t k = 0; k < t.dst_count; ++k) rank_bytes[plan.refs[t.dst_begin + k].rank] += plan.Columns(t);
-  }
+  AddRankBytes(plan, &rank_bytes);
   const int64_t busiest = rank_bytes.empty() ? 0 : *std::max_element(rank_bytes.begin(), rank_bytes.end());
   return MovesOnSdma(rows * busiest, engines, descriptor_us, sdma_gbps);
 }
@@ -700,12 +708,9 @@ Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) 
     auto runs = std::make_shared<StagedRuns>();
     PlanStagedRuns(&plan, runs.get());
     auto base = std::make_shared<Plan>(std::move(plan));
-    // BufferCentricJob asks for each round's plan once, in order; the last
-    // takes the plan itself (the usual one round: no copy of it).
-    const int64_t window = CommWindowBytes(p);
-    const int64_t rounds = window > 0 ? (p.block_bytes + window - 1) / window : 0;
-    auto round_plan = [base, &p, rounds_left = rounds](int64_t width) mutable {
-      Plan round = --rounds_left > 0 ? *base : std::move(*base);
+    // The last round takes the plan itself (the usual one round: no copy of it).
+    auto round_plan = [base, &p](int64_t width, bool last) {
+      Plan round = last ? std::move(*base) : *base;
       round.block_bytes = width;
       Partition(round, round.on_sdma ? p.engines : p.cores, p.planner);
       return std::make_shared<const Plan>(std::move(round));

@@ -128,6 +128,10 @@ Plan BuildPartitionedPlan(const OpParams& params);
 // (1: SDMA engines), made already; otherwise PlanJob makes it.
 Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job);
 
+// Adds to (*rank_bytes)[r] the bytes per row rank r reads + writes in
+// `plan` (sized by the caller: a plan built in parts adds each part's).
+void AddRankBytes(const Plan& plan, std::vector<int64_t>* rank_bytes);
+
 // PlanJob's lanes for such a plan (the model's too): reductions on cores;
 // movement by MovesOnSdma over the busiest rank's bytes read + written.
 bool PlanMovesOnSdma(const Plan& plan, int64_t rows, int engines, double descriptor_us = kSdmaDescriptorUs,

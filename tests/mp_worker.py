@@ -64,7 +64,14 @@ def run_failure(mode):
                               out_specs=spec))
     x = place(np.arange(nproc * cfg["n_local"] * 4, dtype=np.float32).reshape(-1, 4), NamedSharding(mesh, spec))
     f(x).block_until_ready()  # every process meets once
-    multihost_utils.sync_global_devices("warm")
+    # A barrier of the coordination service, not of XLA: sync_global_devices
+    # is itself a cross-process XLA collective, which returns once this
+    # process's first shard is in; process 1 could stop (SIGSTOP) with its
+    # other device's gloo sends still pending, and process 0 then hung in
+    # that gather (strata's watch begins at the next program) until JAX's
+    # heartbeat abort (1 run in 4 of the "pause" case).
+    from jax._src import distributed
+    distributed.global_state.client.wait_at_barrier("strata_test_warm", 30_000)
     print(f"[{pid}] warm", flush=True)
     if pid == nproc - 1:
         if mode == "kill":

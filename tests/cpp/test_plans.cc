@@ -35,6 +35,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -146,10 +147,58 @@ bool TilesExactly(std::vector<std::pair<int64_t, int64_t>> spans, int64_t total)
   return at == total;
 }
 
+// PlanPartition's split by NPU, as PlanJob runs it (NPUs on different
+// threads, in any order), gives Partition's plan piece for piece: an NPU's
+// split reads and writes only its own share of the state.
+bool SamePieces(const Piece& a, const Piece& b) {
+  return a.transfer == b.transfer && a.executor == b.executor && a.col_begin == b.col_begin && a.col_end == b.col_end;
+}
+bool SameTasks(const LaneTask& a, const LaneTask& b) {
+  return a.npu == b.npu && a.lane == b.lane && a.piece_begin == b.piece_begin && a.piece_end == b.piece_end &&
+         a.bytes == b.bytes;
+}
+bool SameMoves(const Move& a, const Move& b) {
+  return a.src_rank == b.src_rank && a.src_block == b.src_block && a.dst_rank == b.dst_rank &&
+         a.dst_block == b.dst_block && a.col == b.col && a.len == b.len && a.count == b.count &&
+         a.src_rank_step == b.src_rank_step && a.src_block_step == b.src_block_step &&
+         a.dst_rank_step == b.dst_rank_step && a.dst_block_step == b.dst_block_step;
+}
+template <typename T, typename Eq>
+bool SameList(const std::vector<T>& a, const std::vector<T>& b, Eq eq) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), eq);
+}
+
+void CheckSplitByNpu(const Plan& partitioned, int lanes, Planner planner) {
+  Plan split = partitioned;
+  PlanPartition steps(&split, lanes, planner);
+  int64_t want_bytes = 0;
+  for (const LaneTask& t : partitioned.tasks) want_bytes += t.bytes;
+  CHECK(steps.bytes() == want_bytes, "PlanPartition::bytes " << steps.bytes() << ", the tasks' " << want_bytes);
+  // Odd NPUs on a thread of their own, even ones here from the last down.
+  std::thread odd([&] {
+    for (int npu = 1; npu < split.num_ranks; npu += 2) steps.Npu(npu);
+  });
+  for (int npu = (split.num_ranks - 1) / 2 * 2; npu >= 0; npu -= 2) steps.Npu(npu);
+  odd.join();
+  steps.Finish();
+  const auto same_chunk_bytes = [](const ChunkBytes& a, const ChunkBytes& b) {
+    return a.carried == b.carried && a.local == b.local;
+  };
+  CHECK(split.lanes_per_npu == partitioned.lanes_per_npu && SameList(split.pieces, partitioned.pieces, SamePieces) &&
+            SameList(split.tasks, partitioned.tasks, SameTasks) && split.chunk_starts == partitioned.chunk_starts &&
+            SameList(split.chunk_bytes, partitioned.chunk_bytes, same_chunk_bytes) &&
+            SameList(split.moves, partitioned.moves, SameMoves) && split.move_starts == partitioned.move_starts,
+        "split by NPU on two threads differs from Partition: " << split.pieces.size() << " pieces, "
+                                                              << split.tasks.size() << " tasks vs "
+                                                              << partitioned.pieces.size() << ", "
+                                                              << partitioned.tasks.size());
+}
+
 void CheckPlan(const Case& c) {
   g_context = Describe(c);
   const OpParams p = ParamsOf(c);
   const Plan plan = BuildPartitionedPlan(p);
+  if (c.lanes == 3) CheckSplitByNpu(plan, c.lanes, c.planner);
   const int n = c.n;
   const int64_t B = c.block_bytes, esize = static_cast<int64_t>(DTypeSize(c.dtype));
   const int64_t in_blocks = c.def->InBlocks(n), out_blocks = c.def->OutBlocks(n);
@@ -464,6 +513,7 @@ void CheckRaggedPlan(const RaggedCase& c, IndexType type, int64_t row_bytes, DTy
   CHECK(st.ok, "refused: " << st.message);
   if (!st.ok) return;
   Partition(plan, lanes, planner);
+  CheckSplitByNpu(plan, lanes, planner);
   const int64_t B = row_bytes;
   CHECK(plan.num_ranks == c.n && plan.in_blocks == c.in_rows && plan.out_blocks == c.out_rows && plan.block_bytes == B &&
             !plan.is_reduction(),
@@ -755,6 +805,10 @@ void CheckMoeDispatchPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
   }
   // Partitioned as the runtime does it: the chunks' carried/local bytes are the plan's.
   Partition(plan, lanes, Planner::kBalanced);
+  CheckSplitByNpu(plan, lanes, Planner::kBalanced);
+  Plan naive = plan;
+  Partition(naive, 48, Planner::kNaive);
+  CheckSplitByNpu(naive, 48, Planner::kNaive);
   int64_t chunk_carried = 0, chunk_local = 0;
   for (const ChunkBytes& b : plan.chunk_bytes) chunk_carried += b.carried, chunk_local += b.local;
   CHECK(chunk_carried == carried * p.row_bytes() && chunk_local == local * p.row_bytes(),

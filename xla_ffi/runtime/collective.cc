@@ -386,6 +386,16 @@ Phase ExchangePhase(std::shared_ptr<const Plan> plan, View v, const std::vector<
   return phase;
 }
 
+// A plan's partition by NPU (PlanPartition::Npu) as `tasks` tasks of a
+// phase, task i taking NPUs [i n / tasks, (i + 1) n / tasks): a few per
+// worker, so a group of hundreds of small NPUs' splits is not as many
+// claims of the executor's lock.
+uint64_t PartitionTasks(int npus) { return static_cast<uint64_t>(std::min(npus, 4 * HostWorkers())); }
+void RunPartitionTask(PlanPartition& steps, int npus, uint64_t tasks, uint64_t i) {
+  const int first = static_cast<int>(i * npus / tasks), end = static_cast<int>((i + 1) * npus / tasks);
+  for (int npu = first; npu < end; ++npu) steps.Npu(npu);
+}
+
 // The ranks' own buffers, as one view for the whole message.
 View DirectView(const Slot& s, const OpParams& p) {
   View v;
@@ -431,10 +441,13 @@ using RoundPlan = std::function<std::shared_ptr<const Plan>(int64_t width, bool 
 // round exchanges its window as a whole op of that width (its own plan,
 // `round_plan(width, last)`), so every rank and lane shares every round's work, as
 // a vendor library's rounds do. Every block is staged, or `runs`' when given.
-// Every copy is one task of a phase; phases run in order.
+// Every copy is one task of a phase; phases run in order. With `pending`,
+// the op runs in one round whose plan `pending` partitions, by NPU, as more
+// tasks of the staging in (PlanJob's plans, built at the rendezvous).
 Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* communicator,
                         const OpParams& p, const RoundPlan& round_plan,
-                        std::shared_ptr<const StagedRuns> runs, Job* job) {
+                        std::shared_ptr<const StagedRuns> runs, std::shared_ptr<PlanPartition> pending,
+                        Job* job) {
   const int64_t m = p.block_bytes;
   const int64_t max_blocks = std::max(p.in_blocks, p.out_blocks);
   const int64_t window = CommWindowBytes(p);
@@ -454,6 +467,7 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
   }
   const int64_t rows = p.rows, in_blocks = p.in_blocks, out_blocks = p.out_blocks;
   const std::vector<int32_t>* devices = &communicator->devices;  // lives as long as the process
+  if (pending && window < m) return Status::Error("a plan partitioned while staging in must run in one round");
   for (int64_t lo = 0; lo < m; lo += window) {
     const int64_t w = std::min(window, m - lo);
     std::shared_ptr<const Plan> plan = round_plan(w, /*last=*/lo + w >= m);
@@ -462,8 +476,11 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
     v.out_row_stride = out_blocks * w;
     // Stage in: rank r's columns [lo, lo+w) of every block (or run) and row.
     Phase stage_in;
-    stage_in.count = s.n;
+    const int n = s.n;
+    const uint64_t split = pending ? PartitionTasks(n) : 0;
+    stage_in.count = n + split;
     stage_in.run = [=](uint64_t r) {
+      if (r >= static_cast<uint64_t>(n)) return RunPartitionTask(*pending, n, split, r - n);
       char* comm_in = const_cast<char*>(v.in[r]);
       int64_t blocks = in_blocks;
       if (!runs) {
@@ -507,8 +524,18 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
       }
       GlobalStats().AddStaged((*devices)[r], rows * blocks * w);
     };
-    job->phases.push_back(std::move(stage_in));
-    job->phases.push_back(ExchangePhase(plan, v, &communicator->devices, /*direct=*/false));
+    if (pending) {
+      // The exchange joins once the last NPU's split is in (Splice puts it
+      // before the staging out).
+      stage_in.then = [pending, plan, v, devices](Job* more) {
+        pending->Finish();
+        more->phases.push_back(ExchangePhase(plan, v, devices, /*direct=*/false));
+      };
+      job->phases.push_back(std::move(stage_in));
+    } else {
+      job->phases.push_back(std::move(stage_in));
+      job->phases.push_back(ExchangePhase(plan, v, &communicator->devices, /*direct=*/false));
+    }
     job->phases.push_back(std::move(stage_out));
   }
   return Status::Ok();
@@ -517,15 +544,15 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
 // buffer_centric's job on a set of the communicator's comm buffers, which go
 // back to it when the job is done (or failed to be made).
 Status StagedJob(const Slot& s, Communicator* comm, const OpParams& p,
-                 const RoundPlan& round_plan,
-                 std::shared_ptr<const StagedRuns> runs, Job* job) {
+                 const RoundPlan& round_plan, std::shared_ptr<const StagedRuns> runs,
+                 std::shared_ptr<PlanPartition> pending, Job* job) {
   std::shared_ptr<CommBuffers> buffers = comm->AcquireBuffers(p.comm_buffer_bytes);
   if (!buffers)
     return Status::Error("cannot allocate communication buffers of comm_buffer_bytes=" +
                          std::to_string(p.comm_buffer_bytes) + " per rank; lower " +
                          "strata.config(comm_buffer_bytes=...)");
   auto release = [comm, buffers] { comm->ReleaseBuffers(std::make_unique<CommBuffers>(std::move(*buffers))); };
-  Status st = BufferCentricJob(s, *buffers, comm, p, round_plan, std::move(runs), job);
+  Status st = BufferCentricJob(s, *buffers, comm, p, round_plan, std::move(runs), std::move(pending), job);
   if (!st.ok) release();
   else job->on_done = release;
   return st;
@@ -571,7 +598,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
                   round.movement_lanes = MovesOnSdma(p) ? 1 : 0;  // the op's choice, every round
                   return comm->GetPlan(round);
                 };
-                return StagedJob(s, comm, p, round_plan, nullptr, job->get());
+                return StagedJob(s, comm, p, round_plan, nullptr, nullptr, job->get());
               }
               Phase exchange = ExchangePhase(comm->GetPlan(p), DirectView(s, p), &comm->devices, /*direct=*/true);
               if (RunsInline(p)) {
@@ -698,35 +725,56 @@ void PlanStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
 
 Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) {
   *job = std::make_shared<Job>();
+  if (plan.num_ranks != s.n)
+    return Status::Error("a plan for " + std::to_string(plan.num_ranks) + " ranks given to a group of " +
+                         std::to_string(s.n));
   if (p.block_bytes == 0) return Status::Ok();
   // The caller may have made PlanMovesOnSdma's choice already (MoE dispatch
   // sums the busiest rank's bytes in its parallel build: one walk fewer here).
   plan.on_sdma = p.movement_lanes >= 0 ? p.movement_lanes == 1 : PlanMovesOnSdma(plan, p.rows, p.engines);
   p.movement_lanes = plan.on_sdma ? 1 : 0;
   Communicator* comm = GetCommunicator(s.devices);
+  const int lanes = plan.on_sdma ? p.engines : p.cores;
   if (p.mode == Mode::kBufferCentric) {
     auto runs = std::make_shared<StagedRuns>();
     PlanStagedRuns(&plan, runs.get());
     auto base = std::make_shared<Plan>(std::move(plan));
-    // The last round takes the plan itself (the usual one round: no copy of it).
-    auto round_plan = [base, &p](int64_t width, bool last) {
+    if (CommWindowBytes(p) >= p.block_bytes) {
+      // One round (the usual case): its plan is split by NPU while the ranks
+      // stage in, not on the thread that built it.
+      auto pending = std::make_shared<PlanPartition>(base.get(), lanes, p.planner);
+      auto whole = [base](int64_t, bool) -> std::shared_ptr<const Plan> { return base; };
+      return StagedJob(s, comm, p, whole, std::move(runs), std::move(pending), job->get());
+    }
+    // The last round takes the plan itself (no copy of it).
+    auto round_plan = [base, lanes, &p](int64_t width, bool last) {
       Plan round = last ? std::move(*base) : *base;
       round.block_bytes = width;
-      Partition(round, round.on_sdma ? p.engines : p.cores, p.planner);
+      Partition(round, lanes, p.planner);
       return std::make_shared<const Plan>(std::move(round));
     };
-    return StagedJob(s, comm, p, round_plan, std::move(runs), job->get());
+    return StagedJob(s, comm, p, round_plan, std::move(runs), nullptr, job->get());
   }
-  Partition(plan, plan.on_sdma ? p.engines : p.cores, p.planner);
-  int64_t moved = 0;
-  for (const LaneTask& task : plan.tasks) moved += task.bytes * p.rows;
-  Phase exchange = ExchangePhase(std::make_shared<const Plan>(std::move(plan)), DirectView(s, p),
-                                 &comm->devices, /*direct=*/true);
-  if (RunsInline(p.mode, moved, 1, kHostChunkBytes)) {
+  auto shared = std::make_shared<Plan>(std::move(plan));
+  auto steps = std::make_shared<PlanPartition>(shared.get(), lanes, p.planner);
+  View view = DirectView(s, p);
+  const std::vector<int32_t>* devices = &comm->devices;
+  if (RunsInline(p.mode, steps->bytes() * p.rows, 1, kHostChunkBytes)) {
+    for (int npu = 0; npu < s.n; ++npu) steps->Npu(npu);
+    steps->Finish();
+    Phase exchange = ExchangePhase(shared, std::move(view), devices, /*direct=*/true);
     for (uint64_t i = 0; i < exchange.count; ++i) exchange.run(i);
-  } else {
-    (*job)->phases.push_back(std::move(exchange));
+    return Status::Ok();
   }
+  // The split by NPU runs on the workers; the exchange follows it.
+  Phase split;
+  split.count = PartitionTasks(s.n);
+  split.run = [steps, n = s.n, tasks = split.count](uint64_t i) { RunPartitionTask(*steps, n, tasks, i); };
+  split.then = [steps, shared, view = std::move(view), devices](Job* more) {
+    steps->Finish();
+    more->phases.push_back(ExchangePhase(shared, view, devices, /*direct=*/true));
+  };
+  (*job)->phases.push_back(std::move(split));
   return Status::Ok();
 }
 

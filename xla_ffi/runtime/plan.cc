@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace strata {
 
@@ -103,149 +104,200 @@ void PullMoves(Plan& plan) {
 
 }  // namespace
 
-void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
-               int64_t host_chunk_bytes) {
-  const int n = plan.num_ranks;
+PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
+                             int64_t host_chunk_bytes)
+    : plan_(plan), lanes_(std::max(1, lanes)), planner_(planner), min_lane_bytes_(min_lane_bytes),
+      host_chunk_bytes_(host_chunk_bytes) {
+  Plan& p = *plan;
+  const int n = p.num_ranks;
   // Element alignment is the hard constraint; cache lines are the soft one.
-  const int64_t esize = static_cast<int64_t>(DTypeSize(plan.dtype));
-  align = std::max<int64_t>(align / esize * esize, esize);
+  const int64_t esize = static_cast<int64_t>(DTypeSize(p.dtype));
+  align_ = std::max<int64_t>(align / esize * esize, esize);
 
   // 1. Each transfer's columns are shared evenly by its destination ranks,
   // in shares of at least kMinShareBytes: a block too small to split N ways
   // (a 4 KB all_gather over 384 ranks) goes to fewer ranks, rotating with
   // the transfer so every rank still gets its turn.
   constexpr int64_t kMinShareBytes = 4096;
+  const int64_t align_bytes = align_;
   // Every share, to `emit(transfer, npu, col_begin, col_end)`; run twice:
   // to count each NPU's pieces, then to place them in one array by NPU (a
   // vector per NPU grown piece by piece cost MoE dispatch's ten thousand
   // transfers a third of Partition).
   auto shares_of = [&](auto&& emit) {
-    for (uint32_t ti = 0; ti < plan.transfers.size(); ++ti) {
-      const Transfer& t = plan.transfers[ti];
-      const int64_t cols = plan.Columns(t);
+    for (uint32_t ti = 0; ti < p.transfers.size(); ++ti) {
+      const Transfer& t = p.transfers[ti];
+      const int64_t cols = p.Columns(t);
       if (t.dst_count == 0 || cols <= 0) continue;
       if (t.dst_count == 1 || cols < 2 * kMinShareBytes) {
         // One share (MoE's rows, ragged runs): no divide per transfer, which
         // cost MoE dispatch's ten thousand transfers most of Partition's time.
-        emit(ti, plan.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank, int64_t{0}, cols);
+        emit(ti, p.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank, int64_t{0}, cols);
         continue;
       }
       const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, cols / kMinShareBytes));
       for (int64_t s = 0; s < shares; ++s) {
-        int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align));
-        int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align));
+        int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align_bytes));
+        int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align_bytes));
         if (c1 <= c0) continue;
-        emit(ti, plan.refs[t.dst_begin + (s + ti) % t.dst_count].rank, c0, c1);
+        emit(ti, p.refs[t.dst_begin + (s + ti) % t.dst_count].rank, c0, c1);
       }
     }
   };
-  std::vector<size_t> npu_start(n + 1, 0);
-  shares_of([&](uint32_t, int32_t npu, int64_t, int64_t) { npu_start[npu + 1]++; });
-  for (int npu = 0; npu < n; ++npu) npu_start[npu + 1] += npu_start[npu];
-  std::vector<Piece> shares(npu_start[n]);
+  npu_start_.assign(n + 1, 0);
+  shares_of([&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) {
+    npu_start_[npu + 1]++;
+    bytes_ += (c1 - c0) * BytesPerColumn(p.transfers[ti]);
+  });
+  for (int npu = 0; npu < n; ++npu) npu_start_[npu + 1] += npu_start_[npu];
+  // Room in the plan for each NPU's pieces: its shares, plus one per lane (a
+  // lane cuts at most one piece in two), and for its lanes' tasks; Finish
+  // closes the gaps. The shares wait at the end of their NPU's room, and the
+  // split writes the pieces from its start: a second array of shares, and
+  // its page faults, cost MoE dispatch's partition as much as the split.
+  p.pieces.resize(npu_start_[n] + static_cast<size_t>(n) * lanes_);
+  p.tasks.resize(static_cast<size_t>(n) * lanes_);
   {
-    std::vector<size_t> next(npu_start.begin(), npu_start.end() - 1);
-    shares_of([&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) { shares[next[npu]++] = {ti, npu, c0, c1}; });
+    std::vector<size_t> next(n);
+    for (int npu = 0; npu < n; ++npu) next[npu] = RoomStart(npu) + lanes_;
+    shares_of([&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) { p.pieces[next[npu]++] = {ti, npu, c0, c1}; });
   }
-  // An NPU's pieces, in transfer order.
-  struct Pieces {
-    const Piece* first;
-    size_t count;
-    size_t size() const { return count; }
-    bool empty() const { return count == 0; }
-    const Piece& operator[](size_t i) const { return first[i]; }
-    const Piece* begin() const { return first; }
-    const Piece* end() const { return first + count; }
-  };
+  piece_count_.assign(n, 0);
+  task_count_.assign(n, 0);
+}
 
-  // 2. Each NPU's pieces are split over its lanes.
-  plan.pieces.clear();
-  plan.tasks.clear();
-  plan.lanes_per_npu = lanes;
-  plan.pieces.reserve(shares.size() + static_cast<size_t>(n) * lanes);  // a lane cuts at most one piece
-  for (int npu = 0; npu < n; ++npu) {
-    const Pieces mine{shares.data() + npu_start[npu], npu_start[npu + 1] - npu_start[npu]};
-    if (mine.empty()) continue;
-    if (planner == Planner::kNaive) {
-      // Piece i to lane i % lanes, unsplit: the per-peer loop.
-      std::vector<std::vector<Piece>> lane_pieces(lanes);
-      for (size_t i = 0; i < mine.size(); ++i) lane_pieces[i % lanes].push_back(mine[i]);
-      for (int l = 0; l < lanes; ++l) {
-        if (lane_pieces[l].empty()) continue;
-        LaneTask task{npu, l, static_cast<uint32_t>(plan.pieces.size()), 0, 0};
-        for (const Piece& p : lane_pieces[l]) {
-          task.bytes += (p.col_end - p.col_begin) * BytesPerColumn(plan.transfers[p.transfer]);
-          plan.pieces.push_back(p);
-        }
-        task.piece_end = static_cast<uint32_t>(plan.pieces.size());
-        plan.tasks.push_back(task);
+size_t PlanPartition::RoomStart(int npu) const { return npu_start_[npu] + static_cast<size_t>(npu) * lanes_; }
+
+void PlanPartition::Npu(int npu) {
+  Plan& plan = *plan_;
+  const size_t count = npu_start_[npu + 1] - npu_start_[npu];
+  if (count == 0) return;
+  const int lanes = lanes_;
+  Piece* const pieces = plan.pieces.data() + RoomStart(npu);
+  const Piece* const shares = pieces + lanes;
+  LaneTask* const tasks = plan.tasks.data() + static_cast<size_t>(npu) * lanes;
+  // Piece indices in tasks are local to the NPU until Finish places them.
+  size_t used = 0, made = 0;
+  if (planner_ == Planner::kNaive) {
+    // Piece i to lane i % lanes, unsplit: the per-peer loop. Out of order,
+    // so from a copy of the shares.
+    const std::vector<Piece> mine(shares, shares + count);
+    for (int l = 0; l < lanes; ++l) {
+      LaneTask task{npu, l, static_cast<uint32_t>(used), 0, 0};
+      for (size_t i = static_cast<size_t>(l); i < count; i += static_cast<size_t>(lanes)) {
+        task.bytes += (mine[i].col_end - mine[i].col_begin) * BytesPerColumn(plan.transfers[mine[i].transfer]);
+        pieces[used++] = mine[i];
       }
-      continue;
+      task.piece_end = static_cast<uint32_t>(used);
+      if (task.piece_end > task.piece_begin) tasks[made++] = task;
     }
-    int64_t total = 0;
-    for (const Piece& p : mine) total += (p.col_end - p.col_begin) * BytesPerColumn(plan.transfers[p.transfer]);
-    const int64_t used = std::max<int64_t>(1, std::min<int64_t>(lanes, total / std::max<int64_t>(1, min_lane_bytes)));
-    // Walk the pieces, cutting whenever the running byte count passes the
-    // next lane's quota; the cut is snapped to an aligned column.
-    size_t pi = 0;
-    int64_t col = mine.empty() ? 0 : mine[0].col_begin;
-    int64_t done = 0;
-    for (int64_t l = 0; l < used && pi < mine.size(); ++l) {
-      // An equal share of what is left: a lane that ended at a piece's end
-      // (below) spreads its shortfall over all the lanes after it.
-      const int64_t quota_end = l + 1 == used ? total : done + (total - done) / (used - l);
-      LaneTask task{npu, static_cast<int32_t>(l), static_cast<uint32_t>(plan.pieces.size()), 0, 0};
-      while (pi < mine.size() && done < quota_end) {
-        const Piece& p = mine[pi];
-        const int64_t bpc = BytesPerColumn(plan.transfers[p.transfer]);
-        // The rest of the piece fits the quota: no divide (most pieces of a
-        // plan of many small transfers).
-        int64_t end = (p.col_end - col) * bpc <= quota_end - done
-                          ? p.col_end
-                          : std::min(p.col_end, col + (quota_end - done + bpc - 1) / bpc);
-        // A short tail of a piece that is not the NPU's last goes with this
-        // lane rather than making the next one straddle two pieces.
-        if (end < p.col_end && l + 1 != used && pi + 1 < mine.size() && 2 * (p.col_end - end) <= kMessageBytes)
-          end = p.col_end;
-        if (end < p.col_end && l + 1 != used) {
-          // To the nearest aligned column: rounding down every cut carried
-          // each lane's shortfall on to the last lane (47 lanes of one
-          // column and one of 17 for a 4 KB all_reduce over 48 lanes).
-          int64_t snapped = std::min(p.col_end, p.col_begin + AlignNearest(end - p.col_begin, align));
-          end = snapped > col ? snapped : std::min(p.col_end, col + align);
-        }
-        if (l + 1 == used) end = p.col_end;
-        // A range that continues the lane's previous one is the same piece
-        // (one contiguous copy: one DataCopy or descriptor on the NPU).
-        if (plan.pieces.size() > task.piece_begin && plan.pieces.back().transfer == p.transfer &&
-            plan.pieces.back().col_end == col)
-          plan.pieces.back().col_end = end;
-        else
-          plan.pieces.push_back({p.transfer, npu, col, end});
-        task.bytes += (end - col) * bpc;
-        done += (end - col) * bpc;
-        col = end;
-        if (col >= p.col_end) {
-          ++pi;
-          if (pi < mine.size()) col = mine[pi].col_begin;
-          // The lane's piece ended just short of its quota: starting the
-          // next piece, only to cut it, would cost the lane that piece's
-          // messages for less than one message's worth of its bytes; the
-          // next lane takes the piece (a whole small piece still goes here).
-          if (pi < mine.size() && l + 1 != used) {
-            const int64_t next_bpc = BytesPerColumn(plan.transfers[mine[pi].transfer]);
-            const int64_t room = quota_end - done;
-            if (2 * room < next_bpc * kMessageBytes && room < (mine[pi].col_end - mine[pi].col_begin) * next_bpc)
-              break;
-          }
-        }
-      }
-      task.piece_end = static_cast<uint32_t>(plan.pieces.size());
-      if (task.piece_end > task.piece_begin) plan.tasks.push_back(task);
-    }
+  } else {
+    Balance(npu, shares, count, pieces, tasks, &used, &made);
   }
+  piece_count_[npu] = used;
+  task_count_[npu] = made;
+}
+
+// In place: `mine` (the shares) starts `lanes` places after `pieces`, and the
+// piece written while share i is read has an index below i + lanes (one per
+// share done, plus one per cut, and the lanes so far made fewer than `lanes`
+// cuts), so it never lands on share i or a later one.
+void PlanPartition::Balance(int npu, const Piece* mine, size_t count, Piece* pieces, LaneTask* tasks,
+                            size_t* used_out, size_t* made_out) const {
+  const Plan& plan = *plan_;
+  const int64_t align = align_;
+  size_t used = 0, made = 0;
+  int64_t total = 0;
+  for (size_t i = 0; i < count; ++i)
+    total += (mine[i].col_end - mine[i].col_begin) * BytesPerColumn(plan.transfers[mine[i].transfer]);
+  const int64_t used_lanes =
+      std::max<int64_t>(1, std::min<int64_t>(lanes_, total / std::max<int64_t>(1, min_lane_bytes_)));
+  // Walk the pieces, cutting whenever the running byte count passes the
+  // next lane's quota; the cut is snapped to an aligned column.
+  size_t pi = 0;
+  int64_t col = mine[0].col_begin;
+  int64_t done = 0;
+  for (int64_t l = 0; l < used_lanes && pi < count; ++l) {
+    // An equal share of what is left: a lane that ended at a piece's end
+    // (below) spreads its shortfall over all the lanes after it.
+    const int64_t quota_end = l + 1 == used_lanes ? total : done + (total - done) / (used_lanes - l);
+    LaneTask task{npu, static_cast<int32_t>(l), static_cast<uint32_t>(used), 0, 0};
+    while (pi < count && done < quota_end) {
+      const Piece p = mine[pi];  // a copy: writing the piece may reuse a share's place
+      const int64_t bpc = BytesPerColumn(plan.transfers[p.transfer]);
+      // The rest of the piece fits the quota: no divide (most pieces of a
+      // plan of many small transfers).
+      int64_t end = (p.col_end - col) * bpc <= quota_end - done
+                        ? p.col_end
+                        : std::min(p.col_end, col + (quota_end - done + bpc - 1) / bpc);
+      // A short tail of a piece that is not the NPU's last goes with this
+      // lane rather than making the next one straddle two pieces.
+      if (end < p.col_end && l + 1 != used_lanes && pi + 1 < count && 2 * (p.col_end - end) <= kMessageBytes)
+        end = p.col_end;
+      if (end < p.col_end && l + 1 != used_lanes) {
+        // To the nearest aligned column: rounding down every cut carried
+        // each lane's shortfall on to the last lane (47 lanes of one
+        // column and one of 17 for a 4 KB all_reduce over 48 lanes).
+        int64_t snapped = std::min(p.col_end, p.col_begin + AlignNearest(end - p.col_begin, align));
+        end = snapped > col ? snapped : std::min(p.col_end, col + align);
+      }
+      if (l + 1 == used_lanes) end = p.col_end;
+      // A range that continues the lane's previous one is the same piece
+      // (one contiguous copy: one DataCopy or descriptor on the NPU).
+      if (used > task.piece_begin && pieces[used - 1].transfer == p.transfer && pieces[used - 1].col_end == col) {
+        pieces[used - 1].col_end = end;
+      } else {
+        pieces[used++] = {p.transfer, npu, col, end};
+      }
+      task.bytes += (end - col) * bpc;
+      done += (end - col) * bpc;
+      col = end;
+      if (col >= p.col_end) {
+        ++pi;
+        if (pi < count) col = mine[pi].col_begin;
+        // The lane's piece ended just short of its quota: starting the
+        // next piece, only to cut it, would cost the lane that piece's
+        // messages for less than one message's worth of its bytes; the
+        // next lane takes the piece (a whole small piece still goes here).
+        if (pi < count && l + 1 != used_lanes) {
+          const int64_t next_bpc = BytesPerColumn(plan.transfers[mine[pi].transfer]);
+          const int64_t room_left = quota_end - done;
+          if (2 * room_left < next_bpc * kMessageBytes && room_left < (mine[pi].col_end - mine[pi].col_begin) * next_bpc)
+            break;
+        }
+      }
+    }
+    task.piece_end = static_cast<uint32_t>(used);
+    if (task.piece_end > task.piece_begin) tasks[made++] = task;
+  }
+  *used_out = used;
+  *made_out = made;
+}
+
+void PlanPartition::Finish() {
+  Plan& plan = *plan_;
+  const int n = plan.num_ranks;
+  // 2'. Every NPU's pieces and tasks, in NPU order, without the gaps.
+  plan.lanes_per_npu = lanes_;
+  size_t pieces = 0, tasks = 0;
+  for (int npu = 0; npu < n; ++npu) {
+    const size_t room = RoomStart(npu);
+    if (pieces != room && piece_count_[npu] > 0)
+      std::memmove(plan.pieces.data() + pieces, plan.pieces.data() + room, piece_count_[npu] * sizeof(Piece));
+    const LaneTask* task = plan.tasks.data() + static_cast<size_t>(npu) * lanes_;
+    for (size_t i = 0; i < task_count_[npu]; ++i) {
+      LaneTask t = task[i];
+      t.piece_begin += static_cast<uint32_t>(pieces);
+      t.piece_end += static_cast<uint32_t>(pieces);
+      plan.tasks[tasks++] = t;
+    }
+    pieces += piece_count_[npu];
+  }
+  plan.pieces.resize(pieces);
+  plan.tasks.resize(tasks);
 
   // 3. Host chunks.
+  const int64_t host_chunk_bytes = host_chunk_bytes_;
   plan.chunk_starts.clear();
   int64_t acc = host_chunk_bytes;
   for (uint32_t t = 0; t < plan.tasks.size(); ++t) {
@@ -314,6 +366,13 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
     }
   }
   plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
+}
+
+void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
+               int64_t host_chunk_bytes) {
+  PlanPartition steps(&plan, lanes, planner, align, min_lane_bytes, host_chunk_bytes);
+  for (int npu = 0; npu < plan.num_ranks; ++npu) steps.Npu(npu);
+  steps.Finish();
 }
 
 double LaneImbalance(const Plan& plan) {

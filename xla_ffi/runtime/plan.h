@@ -152,6 +152,35 @@ constexpr int64_t kPullSourceBytes = 1 << 20;
 void Partition(Plan& plan, int lanes, Planner planner, int64_t align = 64,
                int64_t min_lane_bytes = 1, int64_t host_chunk_bytes = kHostChunkBytes);
 
+// Partition in steps, for a plan built at run time (PlanJob's): the
+// constructor shares every transfer among its destination NPUs (serial, one
+// pass over the transfers); Npu(npu) splits one NPU's shares over its lanes
+// and may run for different NPUs at once (MoE dispatch's ten thousand rows
+// made that split most of a serial step between its phases); Finish, after
+// every NPU's, places their pieces and tasks in NPU order and makes the host
+// chunks and moves. The plan is Partition's, piece for piece. The plan must
+// outlive the steps and not change in between.
+class PlanPartition {
+ public:
+  PlanPartition(Plan* plan, int lanes, Planner planner, int64_t align = 64, int64_t min_lane_bytes = 1,
+                int64_t host_chunk_bytes = kHostChunkBytes);
+  void Npu(int npu);
+  void Finish();
+  // Bytes read + written per row by all the plan's lanes (its tasks' sum).
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  size_t RoomStart(int npu) const;
+  void Balance(int npu, const Piece* mine, size_t count, Piece* pieces, LaneTask* tasks, size_t* used,
+               size_t* made) const;
+  Plan* plan_;
+  int lanes_;
+  Planner planner_;
+  int64_t align_ = 1, min_lane_bytes_, host_chunk_bytes_, bytes_ = 0;
+  std::vector<size_t> npu_start_;  // each NPU's shares: [npu_start_[npu], npu_start_[npu + 1])
+  std::vector<size_t> piece_count_, task_count_;  // per NPU, as split
+};
+
 // max/mean of the bytes per used lane over all NPUs' lanes (1.0 is perfect).
 double LaneImbalance(const Plan& plan);
 

@@ -52,6 +52,8 @@ def test_ops_planned_at_the_rendezvous_have_no_block_size_plan():
         _core.op_block_counts("ragged_all_to_all", 8)
     with pytest.raises(ValueError, match="ragged_all_to_all's plan is built from the sizes its ranks publish"):
         _core.plan_info(_model.OP_KIND["ragged_all_to_all"], 0, 0, 8, 1024, 4, 0)
+    with pytest.raises(ValueError, match="moe_dispatch's plan is built from the pair slots its ranks' routing gets"):
+        _core.op_block_counts("moe_dispatch", 8)
 
 
 @pytest.mark.parametrize("n", GROUP_SIZES)

@@ -105,9 +105,12 @@ using Bytes = nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 // Only a fixed-plan op when `fixed`: the caller builds its plan from sizes alone.
 const CollectiveDef& Checked(const CollectiveDef* def, const std::string& what, const char* caller, bool fixed) {
   if (!def) throw nb::value_error((std::string(caller) + ": no collective " + what).c_str());
-  if (fixed && def->PlannedAtRendezvous())
-    throw nb::value_error((std::string(caller) + ": " + def->name + "'s plan is built from the sizes its "
-                           "ranks publish at run time, not from a block size").c_str());
+  if (fixed && def->PlannedAtRendezvous()) {
+    const char* from = def->kind == OpKind::kMoeDispatch ? "the pair slots its ranks' routing gets"
+                                                         : "the sizes its ranks publish";
+    throw nb::value_error((std::string(caller) + ": " + def->name + "'s plan is built from " + from +
+                           " at run time, not from a block size").c_str());
+  }
   return *def;
 }
 

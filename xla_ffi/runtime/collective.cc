@@ -441,13 +441,19 @@ using RoundPlan = std::function<std::shared_ptr<const Plan>(int64_t width, bool 
 // round exchanges its window as a whole op of that width (its own plan,
 // `round_plan(width, last)`), so every rank and lane shares every round's work, as
 // a vendor library's rounds do. Every block is staged, or `runs`' when given.
-// Every copy is one task of a phase; phases run in order. With `pending`,
-// the op runs in one round whose plan `pending` partitions, by NPU, as more
-// tasks of the staging in (PlanJob's plans, built at the rendezvous).
+// Every copy is one task of a phase; phases run in order. With `pending`
+// (PlanJob's plans, built at the rendezvous), the op runs in one round:
+// `pending` partitions its plan, by NPU, as more tasks of the staging in,
+// and each rank's staging in first reads its `runs` off `pending_runs`.
+// What a one-round job does after building its plan: the rest of it runs
+// in parallel, in the staging in.
+struct PendingRound {
+  std::shared_ptr<PlanPartition> partition;
+  std::shared_ptr<StagedMarks> marks;  // RankStagedRuns' input, freed once the staging in is over
+};
 Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* communicator,
                         const OpParams& p, const RoundPlan& round_plan,
-                        std::shared_ptr<const StagedRuns> runs, std::shared_ptr<PlanPartition> pending,
-                        Job* job) {
+                        std::shared_ptr<StagedRuns> runs, PendingRound pending, Job* job) {
   const int64_t m = p.block_bytes;
   const int64_t max_blocks = std::max(p.in_blocks, p.out_blocks);
   const int64_t window = CommWindowBytes(p);
@@ -467,7 +473,8 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
   }
   const int64_t rows = p.rows, in_blocks = p.in_blocks, out_blocks = p.out_blocks;
   const std::vector<int32_t>* devices = &communicator->devices;  // lives as long as the process
-  if (pending && window < m) return Status::Error("a plan partitioned while staging in must run in one round");
+  if (pending.partition && window < m)
+    return Status::Error("a plan partitioned while staging in must run in one round");
   for (int64_t lo = 0; lo < m; lo += window) {
     const int64_t w = std::min(window, m - lo);
     std::shared_ptr<const Plan> plan = round_plan(w, /*last=*/lo + w >= m);
@@ -477,10 +484,11 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
     // Stage in: rank r's columns [lo, lo+w) of every block (or run) and row.
     Phase stage_in;
     const int n = s.n;
-    const uint64_t split = pending ? PartitionTasks(n) : 0;
+    const uint64_t split = pending.partition ? PartitionTasks(n) : 0;
     stage_in.count = n + split;
     stage_in.run = [=](uint64_t r) {
-      if (r >= static_cast<uint64_t>(n)) return RunPartitionTask(*pending, n, split, r - n);
+      if (r >= static_cast<uint64_t>(n)) return RunPartitionTask(*pending.partition, n, split, r - n);
+      if (pending.marks) RankStagedRuns(*pending.marks, static_cast<int>(r), runs.get());
       char* comm_in = const_cast<char*>(v.in[r]);
       int64_t blocks = in_blocks;
       if (!runs) {
@@ -524,11 +532,12 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
       }
       GlobalStats().AddStaged((*devices)[r], rows * blocks * w);
     };
-    if (pending) {
+    if (pending.partition) {
       // The exchange joins once the last NPU's split is in (Splice puts it
       // before the staging out).
       stage_in.then = [pending, plan, v, devices](Job* more) {
-        pending->Finish();
+        pending.partition->Finish();
+        if (pending.marks) *pending.marks = StagedMarks{};  // every rank has its runs
         more->phases.push_back(ExchangePhase(plan, v, devices, /*direct=*/false));
       };
       job->phases.push_back(std::move(stage_in));
@@ -544,8 +553,8 @@ Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* co
 // buffer_centric's job on a set of the communicator's comm buffers, which go
 // back to it when the job is done (or failed to be made).
 Status StagedJob(const Slot& s, Communicator* comm, const OpParams& p,
-                 const RoundPlan& round_plan, std::shared_ptr<const StagedRuns> runs,
-                 std::shared_ptr<PlanPartition> pending, Job* job) {
+                 const RoundPlan& round_plan, std::shared_ptr<StagedRuns> runs,
+                 PendingRound pending, Job* job) {
   std::shared_ptr<CommBuffers> buffers = comm->AcquireBuffers(p.comm_buffer_bytes);
   if (!buffers)
     return Status::Error("cannot allocate communication buffers of comm_buffer_bytes=" +
@@ -598,7 +607,7 @@ void RunCollectiveAsync(const OpParams& p, const RankCall& c, std::function<void
                   round.movement_lanes = MovesOnSdma(p) ? 1 : 0;  // the op's choice, every round
                   return comm->GetPlan(round);
                 };
-                return StagedJob(s, comm, p, round_plan, nullptr, nullptr, job->get());
+                return StagedJob(s, comm, p, round_plan, nullptr, {}, job->get());
               }
               Phase exchange = ExchangePhase(comm->GetPlan(p), DirectView(s, p), &comm->devices, /*direct=*/true);
               if (RunsInline(p)) {
@@ -644,7 +653,7 @@ void MarkedRuns(const std::vector<uint8_t>& marked, std::vector<BlockRun>* runs)
 
 }  // namespace
 
-void PlanStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
+StagedMarks MarkStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
   // In place: copying MoE's ten thousand transfers into a new plan cost as
   // much as marking them. Each transfer keeps its first destination on each
   // rank (they are listed together; its refs are compacted within its own
@@ -659,18 +668,20 @@ void PlanStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
   // Per rank: blocks read by the exchange (marked), and where each output
   // block comes from (its own block in the comm buffer when the exchange
   // writes it, the block that crossed for a local copy, kZero, or kUntouched),
-  // read off as runs (sorting MoE's ten thousand rows' runs cost more than
-  // building its plan).
-  constexpr int64_t kUntouched = -1, kZero = -2;
-  std::vector<std::vector<uint8_t>> read(n, std::vector<uint8_t>(plan.in_blocks, 0));
-  std::vector<std::vector<int64_t>> source(n, std::vector<int64_t>(plan.out_blocks, kUntouched));
+  // read off as runs by RankStagedRuns (sorting MoE's ten thousand rows' runs
+  // cost more than building its plan).
+  StagedMarks marks;
+  marks.read.assign(n, std::vector<uint8_t>(plan.in_blocks, 0));
+  marks.source.assign(n, std::vector<int64_t>(plan.out_blocks, StagedMarks::kUntouched));
+  std::vector<std::vector<uint8_t>>& read = marks.read;
+  std::vector<std::vector<int64_t>>& source = marks.source;
   size_t kept = 0;
   for (size_t i = 0; i < plan.transfers.size(); ++i) {
     Transfer t = plan.transfers[i];
     BlockRef* dsts = plan.refs.data() + t.dst_begin;
     if (t.src_count == 0) {
       for (uint32_t k = 0; k < t.dst_count; ++k)
-        std::fill_n(source[dsts[k].rank].begin() + dsts[k].block, t.span, kZero);
+        std::fill_n(source[dsts[k].rank].begin() + dsts[k].block, t.span, StagedMarks::kZero);
       continue;
     }
     uint32_t carried = 0;
@@ -693,34 +704,42 @@ void PlanStagedRuns(Plan* plan_ptr, StagedRuns* runs) {
     plan.transfers[kept++] = t;
   }
   plan.transfers.resize(kept);
-  for (int r = 0; r < n; ++r) {
-    MarkedRuns(read[r], &runs->in[r]);
-    const std::vector<int64_t>& from = source[r];
-    std::vector<StagedRuns::CopyOut>& out = runs->copy_out[r];
-    int64_t crossed = 0, copied = 0, zeroed = 0;
-    for (int64_t b = 0; b < plan.out_blocks;) {
-      const int64_t first = from[b];
-      if (first == kUntouched) {
-        ++b;
-        continue;
-      }
-      // One run while the source stays contiguous (or stays a zero fill).
-      const int64_t begin = b;
-      if (first == kZero) {
-        while (b < plan.out_blocks && from[b] == kZero) ++b;
-        zeroed += b - begin;
-        out.push_back({begin, -1, b - begin});
-        continue;
-      }
-      while (b < plan.out_blocks && from[b] == first + (b - begin)) ++b;
-      // Blocks that come from themselves crossed; the others are local copies.
-      (first == begin ? crossed : copied) += b - begin;
-      out.push_back({begin, first, b - begin});
+  return marks;
+}
+
+void RankStagedRuns(const StagedMarks& marks, int r, StagedRuns* runs) {
+  MarkedRuns(marks.read[r], &runs->in[r]);
+  const std::vector<int64_t>& from = marks.source[r];
+  const int64_t out_blocks = static_cast<int64_t>(from.size());
+  std::vector<StagedRuns::CopyOut>& out = runs->copy_out[r];
+  int64_t crossed = 0, copied = 0, zeroed = 0;
+  for (int64_t b = 0; b < out_blocks;) {
+    const int64_t first = from[b];
+    if (first == StagedMarks::kUntouched) {
+      ++b;
+      continue;
     }
-    runs->crossed[r] = crossed;
-    runs->copied[r] = copied;
-    runs->zeroed[r] = zeroed;
+    // One run while the source stays contiguous (or stays a zero fill).
+    const int64_t begin = b;
+    if (first == StagedMarks::kZero) {
+      while (b < out_blocks && from[b] == StagedMarks::kZero) ++b;
+      zeroed += b - begin;
+      out.push_back({begin, -1, b - begin});
+      continue;
+    }
+    while (b < out_blocks && from[b] == first + (b - begin)) ++b;
+    // Blocks that come from themselves crossed; the others are local copies.
+    (first == begin ? crossed : copied) += b - begin;
+    out.push_back({begin, first, b - begin});
   }
+  runs->crossed[r] = crossed;
+  runs->copied[r] = copied;
+  runs->zeroed[r] = zeroed;
+}
+
+void PlanStagedRuns(Plan* plan, StagedRuns* runs) {
+  const StagedMarks marks = MarkStagedRuns(plan, runs);
+  for (int r = 0; r < plan->num_ranks; ++r) RankStagedRuns(marks, r, runs);
 }
 
 Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) {
@@ -737,15 +756,17 @@ Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) 
   const int lanes = plan.on_sdma ? p.engines : p.cores;
   if (p.mode == Mode::kBufferCentric) {
     auto runs = std::make_shared<StagedRuns>();
-    PlanStagedRuns(&plan, runs.get());
+    auto marks = std::make_shared<StagedMarks>(MarkStagedRuns(&plan, runs.get()));
     auto base = std::make_shared<Plan>(std::move(plan));
     if (CommWindowBytes(p) >= p.block_bytes) {
-      // One round (the usual case): its plan is split by NPU while the ranks
-      // stage in, not on the thread that built it.
-      auto pending = std::make_shared<PlanPartition>(base.get(), lanes, p.planner);
+      // One round (the usual case): its plan is split by NPU, and each rank's
+      // staged runs read off, while the ranks stage in, not on the thread
+      // that built it.
+      PendingRound pending{std::make_shared<PlanPartition>(base.get(), lanes, p.planner), std::move(marks)};
       auto whole = [base](int64_t, bool) -> std::shared_ptr<const Plan> { return base; };
       return StagedJob(s, comm, p, whole, std::move(runs), std::move(pending), job->get());
     }
+    for (int r = 0; r < base->num_ranks; ++r) RankStagedRuns(*marks, r, runs.get());
     // The last round takes the plan itself (no copy of it).
     auto round_plan = [base, lanes, &p](int64_t width, bool last) {
       Plan round = last ? std::move(*base) : *base;
@@ -753,7 +774,7 @@ Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job) 
       Partition(round, lanes, p.planner);
       return std::make_shared<const Plan>(std::move(round));
     };
-    return StagedJob(s, comm, p, round_plan, std::move(runs), nullptr, job->get());
+    return StagedJob(s, comm, p, round_plan, std::move(runs), {}, job->get());
   }
   auto shared = std::make_shared<Plan>(std::move(plan));
   auto steps = std::make_shared<PlanPartition>(shared.get(), lanes, p.planner);

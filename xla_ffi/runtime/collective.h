@@ -167,6 +167,19 @@ struct StagedRuns {
 // Fills `runs` and makes `plan` the plan the comm buffers exchange: its
 // transfers without their local copies, zero fills left out (unpartitioned).
 void PlanStagedRuns(Plan* plan, StagedRuns* runs);
+// PlanStagedRuns in two steps, so the per-rank half may run in parallel
+// (PlanJob: in each rank's staging-in task): MarkStagedRuns makes the plan
+// the exchanged one and sizes `runs` (serial, one pass over the transfers);
+// RankStagedRuns fills rank r's entries of `runs` from its marks (ranks are
+// independent).
+struct StagedMarks {
+  static constexpr int64_t kUntouched = -1, kZero = -2;
+  std::vector<std::vector<uint8_t>> read;    // per rank and input block: read by the exchange
+  // Per rank and output block: its source block in the comm buffer, kZero or kUntouched.
+  std::vector<std::vector<int64_t>> source;
+};
+StagedMarks MarkStagedRuns(Plan* plan, StagedRuns* runs);
+void RankStagedRuns(const StagedMarks& marks, int r, StagedRuns* runs);
 
 // buffer_centric mode: the columns of every block that fit the comm buffer at
 // once (the op runs in rounds of this many); <= 0 when not even one fits.

@@ -441,15 +441,15 @@ using RoundPlan = std::function<std::shared_ptr<const Plan>(int64_t width, bool 
 // round exchanges its window as a whole op of that width (its own plan,
 // `round_plan(width, last)`), so every rank and lane shares every round's work, as
 // a vendor library's rounds do. Every block is staged, or `runs`' when given.
-// Every copy is one task of a phase; phases run in order. With `pending`
-// (PlanJob's plans, built at the rendezvous), the op runs in one round:
-// `pending` partitions its plan, by NPU, as more tasks of the staging in,
-// and each rank's staging in first reads its `runs` off `pending_runs`.
-// What a one-round job does after building its plan: the rest of it runs
-// in parallel, in the staging in.
+// Every copy is one task of a phase; phases run in order. With a `pending`
+// round (PlanJob's plans, built at the rendezvous), the op runs in one round
+// whose remaining set-up runs in parallel, as more work of the staging in.
 struct PendingRound {
+  // Partitions the round's plan, by NPU, as more tasks of the staging in.
   std::shared_ptr<PlanPartition> partition;
-  std::shared_ptr<StagedMarks> marks;  // RankStagedRuns' input, freed once the staging in is over
+  // Each rank's staging in first reads its `runs` off these (RankStagedRuns);
+  // freed once the staging in is over.
+  std::shared_ptr<StagedMarks> marks;
 };
 Status BufferCentricJob(const Slot& s, const CommBuffers& comm, Communicator* communicator,
                         const OpParams& p, const RoundPlan& round_plan,

@@ -141,20 +141,19 @@ def test_many_small_messages_cost_their_issue_time():
 
 
 def test_moe_combine_pays_a_message_per_row():
-    # Combine's token tasks (256 KiB: 2 tokens of 8 rows of 14 KiB): each row
-    # read is a message (rows of one owner are not contiguous there), the
-    # task's tokens one write. Every token's 8 experts on 8 different ranks:
-    # 8 rows cross per token, no owner sums a partial first, nothing is
-    # dropped, so the busiest core issues ceil(tasks / 48) x (2 x 8 + 1) messages.
+    # Combine's sums plan (algorithms/moe_combine_plan.h): a transfer per
+    # token, reading a row per owner (a message each: rows of one owner are
+    # not contiguous there) and writing the token's y row (one more). Every
+    # token's 8 experts on 8 different ranks: 8 rows cross per token, no owner
+    # sums a partial first, nothing is dropped. The balanced planner spreads
+    # a rank's 4096 tokens over its 48 cores, so the busiest core works on
+    # ceil(4096 / 48) tokens' rows and issues 9 messages for each.
     n, t, k, e = 32, 4096, 8, 256
     owner = (np.arange(n)[:, None, None] + 1 + np.arange(k)[None, None, :]) % n
     idx = (owner * (e // n) + np.arange(t)[None, :, None] % (e // n)).astype(np.int32)
     r = model("moe_combine", npus=n, tokens=t, hidden=7168, top_k=k, num_experts=e, dtype="bfloat16",
               topk_idx=idx)
-    per_task = (256 << 10) // (8 * 7168 * 2)
-    tasks = 4096 // per_task
-    assert r.breakdown["message_us"] == pytest.approx(math.ceil(tasks / 48) * (per_task * 8 + 1) * SPEC.core_message_us,
-                                                       rel=1e-9)
+    assert r.breakdown["message_us"] == pytest.approx(math.ceil(t / 48) * (k + 1) * SPEC.core_message_us, rel=1e-9)
 
 
 def test_message_cost_is_derived_from_the_efficient_size():

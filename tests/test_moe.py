@@ -334,7 +334,7 @@ def test_groups_of_a_2d_mesh_and_stats(mesh2x4):
     strata.reset_stats()
     recv, dropped, y = jax.tree.map(np.asarray, smap(body, mesh2x4, (spec,) * 3, spec)(*place(mesh2x4, x, idx, w)))
     stats = strata.stats()
-    accepted_rows = crossing_rows = 0
+    accepted_rows = crossing_rows = lone_rows = 0
     for node in range(2):
         rows = slice(node * n_ep * T, (node + 1) * n_ep * T)
         slot, _, want_dropped = np_layout(idx[rows].reshape(n_ep, T, K), e, cap)
@@ -346,12 +346,15 @@ def test_groups_of_a_2d_mesh_and_stats(mesh2x4):
         accepted_rows += int((slot >= 0).sum())
         owners = np.where(slot >= 0, slot // (e // n_ep * cap), -1).reshape(-1, K)
         crossing_rows += sum(len(set(o[o >= 0].tolist())) for o in owners)
+        lone_rows += sum(int((np.unique(o[o >= 0], return_counts=True)[1] == 1).sum()) for o in owners)
     row_bytes = H * 4
     # A row per (token, destination rank) crosses each way, user buffer to
-    # user buffer; dispatch fans it out there, combine sums there first.
-    assert 0 < crossing_rows < accepted_rows
+    # user buffer; dispatch fans it out there (the other accepted rows are
+    # local copies), combine sums a token's rows there first (local: every
+    # row but a rank's lone one, which crosses as it is).
+    assert 0 < crossing_rows < accepted_rows and 0 < lone_rows < crossing_rows
     assert stats["bytes_direct"] == 2 * crossing_rows * row_bytes
-    assert stats["bytes_local"] == (2 * accepted_rows - crossing_rows) * row_bytes
+    assert stats["bytes_local"] == ((accepted_rows - crossing_rows) + (accepted_rows - lone_rows)) * row_bytes
     assert stats["bytes_staged"] == 0
     # Dispatch is small here, so it runs on cores too (the collectives' rule,
     # moe.h MoeDispatchOnSdma): every row read + written by a core, then

@@ -4,11 +4,10 @@ same routing (the dispatch's pair_slot) with keep_slices; the bytes each
 NPU's lanes moved in the exchange must be the bytes the model gave each of
 them, exactly, and buffer_centric's staging must match too.
 
-Dispatch agrees. Combine and its backward do not yet (strict xfail): the
-model splits their work as the fabric would (partials summed on the expert's
-rank, the sum on the token's), while the host runs one fused pass per token
-and credits it all to the token's rank. MoE will agree by construction once
-it runs from the plan the model times (issue 28); until then this names the
+Dispatch and combine agree: they run from the plans the model times. The
+backward does not yet (strict xfail): the host runs it as its own engine's
+tasks, which the hand-written model describes in its own split. It will
+agree once it runs from a plan too (issue 28); until then this names the
 gap instead of hiding it."""
 import collections
 
@@ -128,9 +127,31 @@ def test_dispatch_on_sdma_engines_matches_the_model(mesh8):
     assert runtime == modeled
 
 
-@pytest.mark.xfail(strict=True, reason="the host fuses combine's partials into the token's pass and credits its "
-                                       "rank; the model splits them onto the experts' ranks (issue 28: MoE as plans)")
-@pytest.mark.parametrize("op", ["moe_combine", "moe_combine_backward"])
-def test_combine_lanes_match_the_model(mesh8, op):
-    runtime, modeled, _, _ = run_and_model(mesh8, op, "strata", np.float32, 48, 136, 20, 5)
+@pytest.mark.parametrize("mode", ["strata", "buffer_centric"])
+@pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("capacity", [20, 200])
+def test_combine_lanes_match_the_model(mesh8, mode, dtype, capacity):
+    # Combine is two plans (algorithms/moe_combine_plan.h): the owners'
+    # partials on their lanes, then the tokens' sums on theirs. In strata
+    # mode the host fuses each partial into the sum that reads it, and still
+    # credits the owners' lanes with the partials' bytes, as the model does.
+    runtime, modeled, stats, staged = run_and_model(mesh8, "moe_combine", mode, dtype, 48, 136, capacity, 5)
+    assert runtime and runtime == modeled
+    owners = {npu for npu, _, _ in runtime}
+    assert len(owners) == N
+    if mode == "buffer_centric":
+        # The owners' staging in (each (token, rank)'s row into its comm
+        # buffer: a partial or a lone row as it is) reads every accepted row
+        # and writes what crosses; each rank copies its y out.
+        y_bytes = N * 48 * 136 * np.dtype(dtype).itemsize
+        assert stats["bytes_staged"] == stats["bytes_exchanged"] + y_bytes
+        assert staged == stats["bytes_local"] + stats["bytes_exchanged"] + 2 * y_bytes
+    else:
+        assert staged == 0 and stats["bytes_staged"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="the host serves combine's backward per expert row and credits the owner's "
+                                       "lanes by its own task split, not a plan's (issue 28: MoE as plans)")
+def test_combine_backward_lanes_match_the_model(mesh8):
+    runtime, modeled, _, _ = run_and_model(mesh8, "moe_combine_backward", "strata", np.float32, 48, 136, 20, 5)
     assert runtime == modeled

@@ -25,12 +25,18 @@
 // filled rows from the token that fills them, empty ones zeroed; each
 // transfer with sources carries to one rank (DeepEP's rule), so the rows
 // carried are the distinct (token, rank) pairs and the rest are local copies.
+// MoE combine's two plans (the owners' partials, the tokens' sums), built
+// from random routings' slots and weights, are run on the host as the runtime
+// runs them (fused, and staged through scratch) and checked bit for bit
+// against combine's documented order computed here; each token's rows reach
+// its rank once per owner, and the plans' bytes are the pairs'.
 // Run by tests/test_cpp_plans.py (which builds it); exits non-zero on any
 // failure, naming the plan.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <random>
 #include <sstream>
@@ -39,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../xla_ffi/algorithms/moe_combine_plan.h"
 #include "../../xla_ffi/algorithms/moe_plan.h"
 #include "../../xla_ffi/algorithms/op_registry.h"
 #include "../../xla_ffi/algorithms/ragged_all_to_all.h"
@@ -850,6 +857,188 @@ void CheckMoeDispatchPlans(int64_t* plans) {
   }
 }
 
+// Random routings: top_k distinct experts per token, slots as the runtime
+// assigns them (full experts drop pairs).
+std::vector<std::vector<int32_t>> RandomSlots(std::mt19937_64& rng, int n, int experts, int64_t tokens, int64_t topk,
+                                              int64_t capacity) {
+  model::MoeShape shape;
+  shape.ranks = n;
+  shape.experts = experts;
+  shape.capacity = capacity;
+  std::vector<std::vector<int32_t>> idx(n, std::vector<int32_t>(tokens * topk));
+  for (auto& rank : idx)
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::vector<int32_t> all(experts);
+      for (int e = 0; e < experts; ++e) all[e] = e;
+      std::shuffle(all.begin(), all.end(), rng);
+      for (int64_t k = 0; k < topk; ++k) rank[t * topk + k] = all[k];
+    }
+  return model::MoePairSlots(shape, idx);
+}
+
+// MoE combine: plans of a random routing, run as the runtime runs them,
+// against the order algorithms/moe.h documents, in float32.
+void CheckMoeCombinePlan(std::mt19937_64& rng, int n, int experts, int64_t tokens, int64_t topk, int64_t capacity,
+                         int64_t hidden, int lanes, bool stage_all) {
+  const auto slots = RandomSlots(rng, n, experts, tokens, topk, capacity);
+  const int64_t per_rank = experts / n * capacity;
+  MoeOpShape p;
+  p.group_size = n;
+  p.num_experts = experts;
+  p.capacity = capacity;
+  p.tokens = tokens;
+  p.topk = topk;
+  p.hidden = hidden;
+  p.dtype = DType::F32;
+  std::normal_distribution<float> normal;
+  std::vector<std::vector<float>> rows(n, std::vector<float>(per_rank * hidden)), w(n, std::vector<float>(tokens * topk));
+  for (auto& r : rows)
+    for (float& v : r) v = normal(rng);
+  for (auto& r : w)
+    for (float& v : r) v = normal(rng);
+  std::vector<const int32_t*> slot_ptrs;
+  std::vector<const void*> w_ptrs;
+  for (int r = 0; r < n; ++r) slot_ptrs.push_back(slots[r].data()), w_ptrs.push_back(w[r].data());
+  std::ostringstream name;
+  name << "moe_combine n=" << n << " E=" << experts << " T=" << tokens << " K=" << topk << " C=" << capacity
+       << " H=" << hidden << " lanes=" << lanes << (stage_all ? " staged" : "");
+  g_context = name.str();
+  MoeCombinePlans plans;
+  const Status st = BuildMoeCombinePlans(p, slot_ptrs, w_ptrs, stage_all, &plans);
+  CHECK(st.ok, name.str() << ": refused: " << st.message);
+  if (!st.ok) return;
+  const Plan &partials = plans.partials, &sums = plans.sums;
+
+  // The documented order, and what crosses: per token, owners ascending.
+  std::vector<std::vector<float>> want(n, std::vector<float>(tokens * hidden, 0.0f));
+  int64_t accepted = 0, distinct = 0, lone = 0;
+  for (int r = 0; r < n; ++r)
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::map<int64_t, std::vector<int64_t>> by_owner;  // owner -> k ascending
+      for (int64_t k = 0; k < topk; ++k)
+        if (slots[r][t * topk + k] >= 0) by_owner[slots[r][t * topk + k] / per_rank].push_back(k), ++accepted;
+      distinct += static_cast<int64_t>(by_owner.size());
+      for (int64_t j = 0; j < hidden; ++j) {
+        float acc = 0.0f;
+        for (const auto& [owner, ks] : by_owner) {
+          auto row = [&](int64_t k) { return rows[owner][(slots[r][t * topk + k] % per_rank) * hidden + j]; };
+          if (ks.size() == 1) {
+            const float prod = w[r][t * topk + ks[0]] * row(ks[0]);
+            acc = acc + prod;
+            continue;
+          }
+          float part = 0.0f;
+          for (int64_t k : ks) {
+            const float prod = w[r][t * topk + k] * row(k);
+            part = part + prod;
+          }
+          acc = acc + part;
+        }
+        want[r][t * hidden + j] = acc;
+      }
+      for (const auto& [owner, ks] : by_owner) lone += ks.size() == 1;
+    }
+
+  // Structure: every y row written once; a partial's sources and its block
+  // on its owner; one source per (token, owner) in the sums.
+  std::vector<int> writes(n * tokens, 0);
+  int64_t sum_sources = 0, partial_sources = 0;
+  for (const Transfer& t : sums.transfers) {
+    CHECK(t.dst_count == 1, name.str() << ": a sum with " << t.dst_count << " destinations");
+    const BlockRef& y = sums.refs[t.dst_begin];
+    for (uint32_t i = 0; i < t.span; ++i) writes[y.rank * tokens + y.block + i]++;
+    CHECK(t.src_count == 0 || t.span == 1, name.str() << ": a sum spanning " << t.span << " rows");
+    sum_sources += t.src_count;
+    for (uint32_t k = 0; k < t.src_count; ++k) {
+      const BlockRef& src = sums.refs[t.src_begin + k];
+      CHECK(!stage_all || src.block >= per_rank, name.str() << ": staged, yet a sum reads an expert row");
+      CHECK(k == 0 || sums.refs[t.src_begin + k - 1].rank < src.rank, name.str() << ": owners not ascending");
+    }
+  }
+  for (int64_t i = 0; i < n * tokens; ++i)
+    CHECK(writes[i] == 1, name.str() << ": y row " << i << " written " << writes[i] << " times");
+  CHECK(sum_sources == distinct, name.str() << ": sums read " << sum_sources << " rows, want " << distinct);
+  for (int o = 0; o < n; ++o) {
+    const uint32_t end = o + 1 < n ? plans.first_partial[o + 1] : static_cast<uint32_t>(partials.transfers.size());
+    for (uint32_t i = plans.first_partial[o]; i < end; ++i) {
+      const Transfer& t = partials.transfers[i];
+      const BlockRef& d = partials.refs[t.dst_begin];
+      CHECK(t.dst_count == 1 && d.rank == o && d.block == static_cast<int32_t>(i - plans.first_partial[o]),
+            name.str() << ": partial " << i << " writes (" << d.rank << ", " << d.block << ")");
+      partial_sources += t.src_count;
+      for (uint32_t k = 0; k < t.src_count; ++k)
+        CHECK(partials.refs[t.src_begin + k].rank == o, name.str() << ": a partial sums another rank's row");
+    }
+  }
+  CHECK(partial_sources == (stage_all ? accepted : accepted - lone),
+        name.str() << ": partials read " << partial_sources << " rows");
+
+  // Run as the runtime does; y must be the documented order's, bit for bit.
+  auto partitioned_partials = std::make_shared<Plan>(partials);
+  auto partitioned_sums = std::make_shared<Plan>(sums);
+  Partition(*partitioned_partials, lanes, Planner::kBalanced);
+  Partition(*partitioned_sums, lanes, Planner::kBalanced);
+  std::vector<std::vector<float>> scratch(n, std::vector<float>(per_rank * hidden, std::nanf(""))),
+      y(n, std::vector<float>(tokens * hidden, std::nanf("")));
+  PlanBuffers stage, sum;
+  for (int r = 0; r < n; ++r) {
+    stage.in.push_back(rows[r].data());
+    stage.out.push_back(scratch[r].data());
+    sum.in.push_back(rows[r].data());
+    sum.scratch.push_back(scratch[r].data());
+    sum.out.push_back(y[r].data());
+  }
+  std::vector<int32_t> devices(n);
+  for (int r = 0; r < n; ++r) devices[r] = r;
+  std::vector<Phase> phases;
+  if (stage_all) {
+    phases.push_back(PlanPhase(partitioned_partials, stage, devices, false, true));
+    phases.push_back(PlanPhase(partitioned_sums, sum, devices, false));
+  } else {
+    sum.scratch.clear();  // fused: nothing reads the scratch
+    phases.push_back(PlanPhase(partitioned_sums, sum, devices, true, false, partitioned_partials,
+                               plans.first_partial));
+  }
+  for (const Phase& phase : phases)
+    for (uint64_t i = 0; i < phase.count; ++i) phase.run(i);
+  int64_t mismatches = 0;
+  for (int r = 0; r < n; ++r)
+    for (int64_t i = 0; i < tokens * hidden; ++i) mismatches += std::memcmp(&y[r][i], &want[r][i], 4) != 0;
+  CHECK(mismatches == 0, name.str() << ": " << mismatches << " elements of y differ from the documented order");
+
+  // Bytes: each (token, owner)'s row crosses once; rows summed where they live are local.
+  const int64_t rb = p.row_bytes();
+  int64_t carried = 0, local = 0, written = 0;
+  for (const auto* plan : {partitioned_partials.get(), partitioned_sums.get()})
+    for (const ChunkBytes& b : plan->chunk_bytes) carried += b.carried, local += b.local;
+  for (const ChunkBytes& b : partitioned_partials->chunk_bytes) written += b.written;
+  CHECK(carried == distinct * rb && local == (stage_all ? accepted : accepted - lone) * rb,
+        name.str() << ": carried " << carried << " local " << local);
+  CHECK(written == static_cast<int64_t>(partials.transfers.size()) * rb, name.str() << ": partials wrote " << written);
+}
+
+void CheckMoeCombinePlans(int64_t* plans) {
+  std::mt19937_64 rng(29);
+  for (int n : {1, 2, 3, 8})
+    for (int64_t capacity : {1, 5, 64})
+      for (int64_t topk : {1, 4})
+        for (bool stage_all : {false, true}) {
+          // hidden 3: columns of one element; 300: lanes cut inside rows.
+          for (int64_t hidden : {3, 300}) {
+            CheckMoeCombinePlan(rng, n, 4 * n, 17, topk, capacity, hidden, 3, stage_all);
+            ++*plans;
+          }
+        }
+  MoeOpShape p;
+  p.group_size = 2, p.num_experts = 2, p.capacity = 2, p.tokens = 1, p.topk = 2, p.hidden = 1;
+  const int32_t out_of_range[2] = {0, 4}, fine[2] = {-1, 3};
+  MoeCombinePlans bad;
+  const Status st = BuildMoeCombinePlans(p, {fine, out_of_range}, {}, false, &bad);
+  CHECK(!st.ok && st.message.find("rank 1's pair (token 0, k=1)") != std::string::npos &&
+            st.message.find("outside [-1, 4)") != std::string::npos,
+        "moe_combine bad slots: " << st.message);
+}
+
 void CheckRaggedPlans(int64_t* plans) {
   std::mt19937_64 rng(28);
   CheckRaggedErrors(rng);
@@ -931,6 +1120,7 @@ int main() {
     }
   CheckRaggedPlans(&plans);
   CheckMoeDispatchPlans(&plans);
+  CheckMoeCombinePlans(&plans);
   std::printf("test_plans: %lld plans, %lld checks, %lld failures\n", static_cast<long long>(plans),
               static_cast<long long>(g_checks), static_cast<long long>(g_failures));
   return g_failures == 0 ? 0 : 1;

@@ -19,6 +19,7 @@
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
+#include "moe_combine_plan.h"
 #include "moe_plan.h"
 
 namespace strata {
@@ -846,177 +847,68 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     const bool direct = ranks[0]->rows.direct();
-    std::vector<Phase> phases;
 
     // y[t] = from zero, over the ranks r holding t's pairs, ascending, in the
     // accumulation type: w * expert row if r holds one of t's pairs (the row
     // crosses as it is), else r's partial, the sum of w * row over t's pairs
     // on r in k order, rounded to the rows' dtype (the one row that crosses
     // back); y is that rounded to the rows' dtype. Same order in both modes
-    // and in moe.py's references.
-    const TokenTasks tasks(p);
-    WithFloatType(p.dtype, [&](auto tag) {
-      using T = decltype(tag);
-      using A = typename AccOf<T>::type;
-      if (direct) {
-        // One pass on the token's rank: each partial is summed from its
-        // owner's rows and added at once (the owner's reduction, fused).
-        // Every token row starts from zero.
-        Phase combine;
-        combine.count = tasks.count(n);
-        combine.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
-                       slots_per_rank](uint64_t i) {
-          const TokenTasks::Task task = tasks.at(i);
-          const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
-          const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
-          T* out = static_cast<T*>(ptrs[task.rank][kY]);
-          // The thread's scratch (one per task was an allocation), used
-          // through plain pointers: GCC redoes the TLS lookup at each use of
-          // a thread_local, even through a reference.
-          thread_local std::vector<A> thread_acc, thread_part;
-          thread_local TokenGroups thread_groups;
-          thread_local std::vector<const void*> thread_rows_of;
-          thread_acc.resize(h);
-          thread_part.resize(h);
-          thread_rows_of.resize(p.group_size);
-          A* const acc = thread_acc.data();
-          A* const part = thread_part.data();
-          TokenGroups& groups = thread_groups;
-          const void** const rows_of = thread_rows_of.data();  // each owner's expert rows
-          for (int r = 0; r < p.group_size; ++r) rows_of[r] = ptrs[r][kEy];
-          int64_t rows = 0, crossed = 0;
-          if (task.first < task.end)
-            PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of, rb);
-          for (int64_t t = task.first; t < task.end; ++t) {
-            const int32_t* token_slots = slots + t * k_top;
-            if (t + 1 < task.end)
-              PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of, rb);
-            groups.Build(token_slots, k_top, slots_per_rank);
-            std::fill(acc, acc + h, A(0));
-            int32_t begin = 0;
-            for (const int32_t end : groups.group_end) {
-              const T* owner_rows = static_cast<const T*>(ptrs[groups.pairs[begin].owner][kEy]);
-              AddGroup<T, A>(p.dtype, acc, part, h, groups, begin, end, token_slots,
-                             w + t * k_top, owner_rows, slots_per_rank);
-              rows += end - begin;
-              crossed += rb;
-              begin = end;
-            }
-            StoreRow<T, A>(p.dtype, out + t * h, acc, h);
-          }
-          Stats& stats = GlobalStats();
-          const int64_t touched = (rows + (task.end - task.first)) * rb;
-          if (touched > 0)
-            stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores),
-                               p.cores, touched);
-          stats.AddExchanged(crossed, true);
-          stats.AddLocal(rows * rb);
-        };
-        phases.push_back(std::move(combine));
+    // and in moe.py's references. As two plans (algorithms/moe_combine_plan.h),
+    // built by a worker: the owners' partials, then the tokens' sums.
+    Phase build;
+    build.count = 1;
+    auto plans = std::make_shared<MoeCombinePlans>();
+    build.run = [p = static_cast<const MoeOpShape&>(p), plans, ranks, ptrs = PtrTable(s), direct](uint64_t) {
+      const int n = p.group_size;
+      std::vector<const int32_t*> slots(n);
+      std::vector<const void*> weights(n);
+      for (int r = 0; r < n; ++r) {
+        slots[r] = static_cast<const int32_t*>(ptrs[r][kSlots]);
+        weights[r] = ptrs[r][kW];
+      }
+      const Status st = BuildMoeCombinePlans(p, slots, weights, /*stage_all=*/!direct, plans.get());
+      if (!st.ok) {
+        for (RankState* r : ranks) r->error = st.message;
+        plans->sums = Plan();
         return;
       }
-      // buffer_centric: each owner stages in only what crosses (one row per
-      // (token, rank): the expert row or the rounded partial, at the row of
-      // the pair that leads the token there), peers then read those. The comm buffer holds expert_y's rows, so the
-      // partials fit. A phase per step: every partial is in before any is read.
-      Phase reduce;
-      reduce.count = tasks.count(n);
-      reduce.run = [p, tasks, ranks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
-                    slots_per_rank](uint64_t i) {
-        const TokenTasks::Task task = tasks.at(i);
-        const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
-        const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
-        thread_local std::vector<A> thread_part;  // the thread's scratch
-        thread_local TokenGroups thread_groups;
-        thread_local std::vector<const void*> thread_rows_of;
-        std::vector<A>& part = thread_part;
-        TokenGroups& groups = thread_groups;
-        std::vector<const void*>& rows_of = thread_rows_of;  // the owners' own expert rows
-        part.resize(h);
-        rows_of.resize(p.group_size);
-        for (int r = 0; r < p.group_size; ++r) rows_of[r] = ranks[r]->rows.user_in(0);
-        if (task.first < task.end)
-          PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of.data(), rb);
-        int64_t rows = 0, staged = 0;
-        for (int64_t t = task.first; t < task.end; ++t) {
-          const int32_t* token_slots = slots + t * k_top;
-          if (t + 1 < task.end)
-            PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of.data(), rb);
-          groups.Build(token_slots, k_top, slots_per_rank);
-          int32_t begin = 0;
-          for (const int32_t end : groups.group_end) {
-            const int32_t owner = groups.pairs[begin].owner;
-            const T* owner_rows = static_cast<const T*>(ranks[owner]->rows.user_in(0));
-            const int64_t lead_row = token_slots[groups.pairs[begin].k] % slots_per_rank;
-            T* lead = static_cast<T*>(ptrs[owner][kEy]) + lead_row * h;
-            if (end - begin == 1) {  // the row itself, weighted on arrival
-              std::memcpy(lead, owner_rows + lead_row * h, rb);
-            } else {
-              SumGroup<T, A>(p.dtype, part.data(), h, groups, begin, end, token_slots, w + t * k_top,
-                             owner_rows, slots_per_rank);
-              StoreRow<T, A>(p.dtype, lead, part.data(), h);
-            }
-            rows += end - begin;
-            staged += rb;
-            begin = end;
-          }
+      Partition(plans->partials, p.cores, p.planner);
+      Partition(plans->sums, p.cores, p.planner);
+    };
+    build.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices, direct](Job* more) {
+      if (plans->sums.num_ranks == 0) return;  // the build failed: every rank has the error
+      const int n = static_cast<int>(ranks.size());
+      std::shared_ptr<const Plan> partials(plans, &plans->partials), sums(plans, &plans->sums);
+      if (direct) {
+        // One pass on the tokens' ranks: each partial is summed from its
+        // owner's rows as it is read (the owners' plan, fused; its lanes are
+        // credited as the owners').
+        PlanBuffers buffers;
+        for (int r = 0; r < n; ++r) {
+          buffers.in.push_back(ptrs[r][kEy]);
+          buffers.out.push_back(ptrs[r][kY]);
         }
-        Stats& stats = GlobalStats();
-        if (rows > 0)
-          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores), p.cores,
-                             rows * rb + staged);
-        stats.bytes_staged += staged;
-        stats.AddLocal(rows * rb);
-      };
-      phases.push_back(std::move(reduce));
-      Phase sum;
-      sum.count = tasks.count(n);
-      sum.run = [p, tasks, ptrs = PtrTable(s), devices = s.devices, h, k_top, rb,
-                 slots_per_rank](uint64_t i) {
-        const TokenTasks::Task task = tasks.at(i);
-        const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kSlots]);
-        const A* w = static_cast<const A*>(ptrs[task.rank][kW]);
-        T* out = static_cast<T*>(ptrs[task.rank][kY]);
-        thread_local std::vector<A> thread_acc;  // the thread's scratch
-        thread_local TokenGroups thread_groups;
-        thread_local std::vector<const void*> thread_rows_of;
-        std::vector<A>& acc = thread_acc;
-        TokenGroups& groups = thread_groups;
-        std::vector<const void*>& rows_of = thread_rows_of;  // the owners' comm buffers
-        acc.resize(h);
-        rows_of.resize(p.group_size);
-        for (int r = 0; r < p.group_size; ++r) rows_of[r] = ptrs[r][kEy];
-        if (task.first < task.end)
-          PrefetchTokenRows(slots + task.first * k_top, k_top, slots_per_rank, rows_of.data(), rb, true);
-        int64_t crossed = 0;
-        for (int64_t t = task.first; t < task.end; ++t) {
-          const int32_t* token_slots = slots + t * k_top;
-          if (t + 1 < task.end)
-            PrefetchTokenRows(token_slots + k_top, k_top, slots_per_rank, rows_of.data(), rb, true);
-          groups.Build(token_slots, k_top, slots_per_rank);
-          std::fill(acc.begin(), acc.end(), A(0));
-          int32_t begin = 0;
-          for (const int32_t end : groups.group_end) {
-            const int32_t owner = groups.pairs[begin].owner, lead_k = groups.pairs[begin].k;
-            const T* staged = static_cast<const T*>(ptrs[owner][kEy]) + (token_slots[lead_k] % slots_per_rank) * h;
-            // One pair: its row, weighted here; more: their rounded partial (x 1 is exact).
-            const double weight = end - begin == 1 ? static_cast<double>(w[t * k_top + lead_k]) : 1.0;
-            AxpyRow(p.dtype, acc.data(), staged, weight, h);
-            crossed += rb;
-            begin = end;
-          }
-          StoreRow<T, A>(p.dtype, out + t * h, acc.data(), h);
-        }
-        Stats& stats = GlobalStats();
-        const int64_t touched = crossed + (task.end - task.first) * rb;
-        if (touched > 0)
-          stats.AddLaneBytes(false, devices[task.rank], static_cast<int>(task.chunk % p.cores), p.cores,
-                             touched);
-        stats.AddExchanged(crossed, false);
-      };
-      phases.push_back(std::move(sum));
-      phases.push_back(StagePhase(ranks, /*in=*/false));
-    });
+        more->phases.push_back(PlanPhase(sums, buffers, devices, true, false, partials, plans->first_partial));
+        return;
+      }
+      // buffer_centric: the owners stage in only what crosses (one row per
+      // (token, rank): a lone expert row as it is, or the rounded partial)
+      // into their comm buffers; then every token's rank sums what it reads
+      // there into its own comm buffer, copied out at the end.
+      PlanBuffers stage, sum;
+      for (int r = 0; r < n; ++r) {
+        stage.in.push_back(ranks[r]->rows.user_in(0));
+        stage.out.push_back(ptrs[r][kEy]);
+        sum.in.push_back(ranks[r]->rows.user_in(0));
+        sum.scratch.push_back(ptrs[r][kEy]);
+        sum.out.push_back(ptrs[r][kY]);
+      }
+      more->phases.push_back(PlanPhase(partials, stage, devices, false, /*staging=*/true));
+      more->phases.push_back(PlanPhase(sums, sum, devices, false));
+      more->phases.push_back(StagePhase(ranks, /*in=*/false));
+    };
+    std::vector<Phase> phases;
+    phases.push_back(std::move(build));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

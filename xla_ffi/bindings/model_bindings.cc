@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../algorithms/moe.h"
+#include "../algorithms/moe_combine_plan.h"
 #include "../algorithms/moe_plan.h"
 #include "../algorithms/op_registry.h"
 #include "../algorithms/ragged_all_to_all.h"
@@ -229,9 +230,9 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
   Result r;
   {
     nb::gil_scoped_release release;
-    if (op == 0) {
-      // Dispatch: the plan the runtime executes, from the same slots
-      // (algorithms/moe_plan.h), timed as PlanJob runs it.
+    if (op == 0 || op == 1) {
+      // Dispatch and combine: the plans the runtime executes, from the same
+      // slots (algorithms/moe_plan.h, moe_combine_plan.h), timed as it runs them.
       MoeOpShape shape;
       shape.group_size = ranks;
       shape.num_experts = experts;
@@ -247,10 +248,17 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
       shape.comm_buffer_bytes = comm_buffer_bytes;
       std::vector<const int32_t*> rank_slots(ranks);
       for (int r = 0; r < ranks; ++r) rank_slots[r] = slots[r].data();
-      Plan plan;
-      const Status st = BuildMoeDispatchPlan(shape, rank_slots, &plan);
-      if (!st.ok) throw std::invalid_argument(st.message);  // the GIL is retaken on the way out
-      prog = PlanProgram(std::move(plan), MoeDispatchRunParams(shape), m);
+      if (op == 0) {
+        Plan plan;
+        const Status st = BuildMoeDispatchPlan(shape, rank_slots, &plan);
+        if (!st.ok) throw std::invalid_argument(st.message);  // the GIL is retaken on the way out
+        prog = PlanProgram(std::move(plan), MoeDispatchRunParams(shape), m);
+      } else {
+        MoeCombinePlans plans;
+        const Status st = BuildMoeCombinePlans(shape, rank_slots, {}, buffer_centric, &plans);
+        if (!st.ok) throw std::invalid_argument(st.message);
+        prog = MoeCombineProgram(std::move(plans.partials), std::move(plans.sums), shape, m);
+      }
     } else {
       prog = MoeProgram(s, op, slots, m);
     }

@@ -397,6 +397,28 @@ void AddLocalCopies(ModelPhase& phase, int rank, int64_t bytes, int lanes, int64
 
 namespace {
 
+// The exchange phase of a partitioned plan: its pieces on the lanes the
+// partition gave them, after a sync.
+ModelPhase ExchangeOf(const Plan& plan, int64_t rows, LaneKind kind) {
+  ModelPhase ph;
+  ph.kind = kExchange;
+  ph.lanes = kind;
+  ph.reduce = plan.is_reduction();
+  ph.sync_before = true;
+  ph.plan = &plan;
+  for (const LaneTask& task : plan.tasks)
+    for (uint32_t i = task.piece_begin; i < task.piece_end; ++i) {
+      const Piece& piece = plan.pieces[i];
+      ModelPiece mp;
+      mp.rank = task.npu;
+      mp.lane = task.lane;
+      mp.transfer = static_cast<int32_t>(piece.transfer);
+      mp.bytes = (piece.col_end - piece.col_begin) * rows;
+      ph.pieces.push_back(mp);
+    }
+  return ph;
+}
+
 // A plan op's program as the runtime runs it (collective.cc): strata mode is
 // one exchange of `round_plan(block_bytes)` over the user buffers;
 // buffer_centric runs rounds of the comm buffer's window (full windows, then
@@ -415,24 +437,8 @@ Program PlanRounds(const OpParams& p, const std::function<Plan(int64_t width)>& 
   // The exchange of one plan (the whole message, or one round's window).
   auto exchange = [&](int64_t width, int64_t repeat) {
     prog.plans.push_back(round_plan(width));
-    const Plan& plan = prog.plans.back();
-    ModelPhase ph;
-    ph.kind = kExchange;
-    ph.lanes = kind;
-    ph.reduce = plan.is_reduction();
-    ph.sync_before = true;
+    ModelPhase ph = ExchangeOf(prog.plans.back(), p.rows, kind);
     ph.repeat = repeat;
-    ph.plan = &plan;
-    for (const LaneTask& task : plan.tasks)
-      for (uint32_t i = task.piece_begin; i < task.piece_end; ++i) {
-        const Piece& piece = plan.pieces[i];
-        ModelPiece mp;
-        mp.rank = task.npu;
-        mp.lane = task.lane;
-        mp.transfer = static_cast<int32_t>(piece.transfer);
-        mp.bytes = (piece.col_end - piece.col_begin) * p.rows;
-        ph.pieces.push_back(mp);
-      }
     return ph;
   };
 
@@ -514,6 +520,38 @@ Program PlanProgram(Plan plan, const OpParams& op_params, const Machine& m) {
   }, p.mode == Mode::kBufferCentric ? &runs : nullptr);
 }
 
+Program MoeCombineProgram(Plan partials, Plan sums, const MoeOpShape& p, const Machine& m) {
+  const bool staged = p.mode == Mode::kBufferCentric;
+  if (staged) {
+    const int64_t rb = p.row_bytes();
+    if (p.local_experts() * p.capacity * rb > p.comm_buffer_bytes || p.tokens * rb > p.comm_buffer_bytes)
+      throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
+  }
+  Program prog;
+  prog.num_ranks = p.group_size;
+  prog.cores = p.cores;
+  prog.engines = p.engines;
+  prog.sync_end = !staged;
+  prog.plans.reserve(2);  // phases point into it: never grows past this
+  prog.plans.push_back(std::move(partials));
+  prog.plans.push_back(std::move(sums));
+  for (Plan& plan : prog.plans) Partition(plan, p.cores, p.planner);
+  // Reductions: on the cores (the runtime's rule, PlanMovesOnSdma).
+  ModelPhase partial_phase = ExchangeOf(prog.plans[0], 1, kCore);
+  if (staged) partial_phase.kind = kStageIn;
+  if (!partial_phase.pieces.empty()) prog.phases.push_back(std::move(partial_phase));
+  prog.phases.push_back(ExchangeOf(prog.plans[1], 1, kCore));
+  if (staged) {
+    ModelPhase out;
+    out.kind = kStageOut;
+    out.lanes = kCore;
+    out.sync_before = true;  // every peer's reads of this rank's buffer are done
+    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, p.tokens * p.row_bytes(), p.cores);
+    prog.phases.push_back(std::move(out));
+  }
+  return prog;
+}
+
 std::vector<std::vector<int32_t>> MoePairSlots(const MoeShape& s,
                                                const std::vector<std::vector<int32_t>>& topk_idx) {
   std::vector<int64_t> next(s.experts, 0);
@@ -533,6 +571,7 @@ std::vector<std::vector<int32_t>> MoePairSlots(const MoeShape& s,
 
 Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int32_t>>& pair_slot,
                    const Machine& m) {
+  if (op != 0 && op != 2) throw std::invalid_argument("MoeProgram: op 0 (dispatch) or 2 (combine backward)");
   const int n = s.ranks;
   if (n < 1 || s.experts % n != 0) throw std::invalid_argument("num_experts must be a multiple of the ranks");
   if (static_cast<int>(pair_slot.size()) != n) throw std::invalid_argument("one routing per rank");
@@ -626,37 +665,6 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
           flush(ph, piece);
         }
   };
-  // Token tasks on cores: `token_work(r, t)` adds the io of token t of rank r.
-  auto token_tasks = [&](ModelPhase& ph, auto&& token_work) {
-    const int64_t per_task = std::max<int64_t>(1, kMoeTaskBytes / std::max<int64_t>(1, s.topk * rb));
-    const int64_t chunks = (s.tokens + per_task - 1) / per_task;
-    for (int r = 0; r < n; ++r)
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        ModelPiece piece;
-        piece.rank = r;
-        piece.lane = static_cast<int32_t>(ch % s.cores);
-        piece.io_begin = static_cast<uint32_t>(ph.io.size());
-        const int64_t t0 = ch * per_task, t1 = std::min(s.tokens, t0 + per_task);
-        for (int64_t t = t0; t < t1; ++t) token_work(r, t);
-        flush(ph, piece);
-      }
-  };
-  // Token t of rank r's kept pairs: calls fn(owner, pairs there) per owner
-  // rank, once each.
-  std::vector<std::pair<int32_t, int32_t>> owners;  // (rank, pairs), scratch
-  auto for_owners = [&](int r, int64_t t, auto&& fn) {
-    owners.clear();
-    for (int64_t k = 0; k < s.topk; ++k) {
-      const int32_t slot = pair_slot[r][t * s.topk + k];
-      if (slot < 0) continue;
-      const int32_t o = static_cast<int32_t>(slot / slots_per_rank);
-      auto it = std::find_if(owners.begin(), owners.end(), [o](const auto& e) { return e.first == o; });
-      if (it == owners.end()) owners.push_back({o, 1});
-      else it->second++;
-    }
-    for (const auto& [o, count] : owners) fn(o, count);
-  };
-
   const int64_t x_bytes = s.tokens * rb, slots_bytes = slots_per_rank * rb;
   int64_t in_bytes = 0, out_bytes = 0;
   std::vector<ModelPhase> work;  // the op's phases between staging in and out
@@ -677,39 +685,6 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
     work.push_back(std::move(ex));
     in_bytes = x_bytes;
     out_bytes = slots_bytes;
-  } else if (op == 1) {
-    // The owners sum each token's rows on their rank into one partial,
-    // then each token's rank reads one row per owner and adds them. A token
-    // with one pair on a rank needs no partial: its row crosses as it is and
-    // is weighted on arrival (the runtime's order). buffer_centric stages
-    // what crosses in the comm buffer (its staging in): the partials, and
-    // those rows, copied.
-    ModelPhase partials;
-    partials.kind = s.buffer_centric ? kStageIn : kExchange;
-    partials.lanes = kCore;
-    partials.reduce = true;
-    partials.sync_before = true;
-    expert_tasks(partials, s.cores, [&](int o, int64_t row, int src) {
-      const int32_t served = serves[o][row];
-      if (served == 0 || (served == 1 && !s.buffer_centric)) return;
-      read(src, served * wb);  // the pairs' weights, with the token's routing
-      for (int32_t f = 0; f < served; ++f) read(o, rb);
-      write(o, rb);
-    });
-    const bool any_partial = !partials.pieces.empty();
-    if (any_partial) work.push_back(std::move(partials));
-    ModelPhase sum;
-    sum.kind = kExchange;
-    sum.lanes = kCore;
-    sum.reduce = true;
-    sum.sync_before = true;  // every owner's partials are in
-    token_tasks(sum, [&](int r, int64_t t) {
-      for_owners(r, t, [&](int o, int32_t) { read(o, rb); });
-      write(r, rb);
-    });
-    work.push_back(std::move(sum));
-    in_bytes = slots_bytes;
-    out_bytes = x_bytes;
   } else {
     // ct_y crosses to a lead row once (with the weights of the token's pairs
     // there); the lead serves every pair of the token on the rank: w * ct_y
@@ -737,13 +712,11 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
   if (s.buffer_centric) {
     if (in_bytes > s.comm_buffer_bytes || out_bytes > s.comm_buffer_bytes)
       throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
-    if (op != 1) {  // combine stages in only its partials (above)
-      ModelPhase in;
-      in.kind = kStageIn;
-      in.lanes = kind;
-      for (int r = 0; r < n; ++r) AddLocalCopies(in, r, in_bytes, lanes);
-      prog.phases.push_back(std::move(in));
-    }
+    ModelPhase in;
+    in.kind = kStageIn;
+    in.lanes = kind;
+    for (int r = 0; r < n; ++r) AddLocalCopies(in, r, in_bytes, lanes);
+    prog.phases.push_back(std::move(in));
   }
   for (ModelPhase& ph : work) prog.phases.push_back(std::move(ph));
   if (s.buffer_centric) {

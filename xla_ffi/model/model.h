@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "../runtime/collective.h"
+#include "../runtime/moe_shape.h"
 #include "../runtime/plan.h"
 
 namespace strata::model {
@@ -144,6 +145,14 @@ Program CollectiveProgram(const OpParams& p, const Machine& m);
 // algorithms' BuildRaggedPlan, called by the caller), as the runtime's
 // PlanJob runs it: `plan` unpartitioned, `p` its layout, mode and lanes.
 Program PlanProgram(Plan plan, const OpParams& p, const Machine& m);
+
+// MoE combine's two plans (algorithms/moe_combine_plan.h, built by the
+// caller from the routing, unpartitioned), as the runtime runs them on `p`'s
+// cores and planner: in strata mode the owners' partials, then the tokens'
+// sums, each an exchange; in buffer_centric the partials are the staging in
+// (owners write what crosses into their comm buffers), the sums the exchange
+// between comm buffers, then each rank's y is copied out.
+Program MoeCombineProgram(Plan partials, Plan sums, const MoeOpShape& p, const Machine& m);
 
 // MoE. pair_slot[rank][t*K+k] = e*capacity + row, or -1 (dropped), as the
 // runtime computes it (moe.h); op: 0 dispatch, 1 combine, 2 combine backward.

@@ -17,6 +17,7 @@
 
 #include "copy.h"
 #include "observer.h"
+#include "reduce_isa.h"
 #include "registry.h"
 #include "rendezvous.h"
 #include "stats.h"
@@ -217,6 +218,13 @@ struct View {
   int64_t rows = 1;
   int64_t in_row_stride = 0, out_row_stride = 0, block_stride = 0;
   bool streaming = false;  // outputs too large to stay cached: non-temporal stores
+  // A weighted plan's scratch (Plan::scratch_blocks), row stride in_row_stride.
+  std::vector<const char*> scratch;
+  // When set, a scratch block is computed from the transfer of `producer`
+  // that writes it (block j of rank r: transfer producer_first[r] + j), as
+  // it is read, instead of being read (PlanPhase's fused producer).
+  const Plan* producer = nullptr;
+  const uint32_t* producer_first = nullptr;
 };
 
 // A copy of a few bytes: an all_to_all of 1 KB per rank over 384 ranks is
@@ -242,8 +250,134 @@ inline void CopyRows(char* dst, const char* src, int64_t len, const View& v) {
   }
 }
 
+// Stores a weighted sum (the accumulation type) as `n` values of `dtype`:
+// the ISA's kernel, except for float16, whose NaN payloads only the
+// compiler's conversion keeps.
+void StoreSum(DType dtype, void* out, const void* acc, int64_t n) {
+  if (dtype == DType::F16) {
+    const float* a = static_cast<const float*>(acc);
+    _Float16* o = static_cast<_Float16*>(out);
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<_Float16>(a[i]);
+  } else {
+    NarrowRow(dtype, out, acc, n);
+  }
+}
+
+// The thread's accumulators: `count` of n elements of the accumulation type
+// each (float64 is the widest), reused call after call.
+double* SumScratch(int64_t n, int count) {
+  thread_local std::vector<double> scratch;
+  const size_t need = static_cast<size_t>(n) * static_cast<size_t>(count);
+  if (scratch.size() < need) scratch.resize(need);
+  return scratch.data();
+}
+
+// acc += weight x (the sum producer transfer `pt` writes, rounded to dtype),
+// columns [c0, c0 + n elements) of row `row`: the producer's work fused into
+// its reader's. With weight 1 the last source's product, the rounding and
+// the add are one kernel (AxpyAddRoundedRow), as the NPU's owner rounds a
+// partial it sends and the reader adds it.
+void AddProduced(const Plan& producer, const Transfer& pt, int64_t row, int64_t c0, int64_t n, double weight,
+                 const View& v, void* acc, void* part, void* rounded) {
+  const DType dtype = producer.dtype;
+  const size_t acc_size = dtype == DType::F64 ? 8 : 4;
+  auto source = [&](uint32_t k) {
+    const BlockRef& b = producer.refs[pt.src_begin + k];
+    return v.in[b.rank] + row * v.in_row_stride + b.block * v.block_stride + c0;
+  };
+  if (pt.src_count == 0) return;  // a sum of nothing adds zeros
+  if (producer.local_sums && pt.src_count == 1 && producer.weights[pt.src_begin] == 1.0) {
+    AxpyRow(dtype, acc, source(0), weight, n);  // a copy, weighted where it is read
+    return;
+  }
+  std::memset(part, 0, static_cast<size_t>(n) * acc_size);
+  for (uint32_t k = 0; k + 1 < pt.src_count; ++k) AxpyRow(dtype, part, source(k), producer.weights[pt.src_begin + k], n);
+  const uint32_t last = pt.src_count - 1;
+  if (weight == 1.0) {
+    AxpyAddRoundedRow(dtype, acc, part, source(last), producer.weights[pt.src_begin + last], n);
+    return;
+  }
+  AxpyRow(dtype, part, source(last), producer.weights[pt.src_begin + last], n);
+  StoreSum(dtype, rounded, part, n);
+  AxpyRow(dtype, acc, rounded, weight, n);
+}
+
+// Asks the cache for columns [c0, c1) of a weighted transfer's sources
+// (row 0; a fused producer's own sources for a scratch block): they sit at
+// random rows of their ranks, and the sum otherwise waits on each row's
+// loads (MoE combine's time went mostly to those loads before its engine
+// prefetched them a token ahead, as RunPieces does with this).
+void PrefetchSources(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
+  const Transfer& t = plan.transfers[transfer];
+  auto fetch = [c0, c1](const char* base) {
+    // The empty asm is a side effect: GCC deletes a loop of prefetches alone.
+    for (int64_t line = c0; line < c1; line += 64) {
+      __builtin_prefetch(base + line, 0, 3);
+      asm volatile("");
+    }
+  };
+  for (uint32_t k = 0; k < t.src_count; ++k) {
+    const BlockRef& b = plan.refs[t.src_begin + k];
+    if (b.block < plan.in_blocks) {
+      fetch(v.in[b.rank] + b.block * v.block_stride);
+    } else if (v.producer) {
+      const Plan& p = *v.producer;
+      const Transfer& pt = p.transfers[v.producer_first[b.rank] + (b.block - plan.in_blocks)];
+      for (uint32_t j = 0; j < pt.src_count; ++j) {
+        const BlockRef& s = p.refs[pt.src_begin + j];
+        fetch(v.in[s.rank] + s.block * v.block_stride);
+      }
+    } else {
+      fetch(v.scratch[b.rank] + (b.block - plan.in_blocks) * v.block_stride);
+    }
+  }
+}
+
+// Columns [c0, c1) of one transfer of a weighted plan, every row.
+void RunWeighted(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, const View& v) {
+  const DType dtype = plan.dtype;
+  const int64_t n = (c1 - c0) / static_cast<int64_t>(DTypeSize(dtype));
+  const size_t acc_size = dtype == DType::F64 ? 8 : 4;
+  for (int64_t row = 0; row < v.rows; ++row) {
+    auto dst = [&](uint32_t k) {
+      const BlockRef& b = plan.refs[t.dst_begin + k];
+      return v.out[b.rank] + row * v.out_row_stride + b.block * v.block_stride + c0;
+    };
+    auto source = [&](uint32_t k) -> const char* {
+      const BlockRef& b = plan.refs[t.src_begin + k];
+      if (b.block < plan.in_blocks) return v.in[b.rank] + row * v.in_row_stride + b.block * v.block_stride + c0;
+      return v.scratch[b.rank] + row * v.in_row_stride + (b.block - plan.in_blocks) * v.block_stride + c0;
+    };
+    if (t.src_count == 0) {
+      for (uint32_t k = 0; k < t.dst_count; ++k) std::memset(dst(k), 0, c1 - c0);
+      continue;
+    }
+    const BlockRef& first = plan.refs[t.src_begin];
+    if (plan.local_sums && t.src_count == 1 && plan.weights[t.src_begin] == 1.0 &&
+        (first.block < plan.in_blocks || !v.producer)) {
+      for (uint32_t k = 0; k < t.dst_count; ++k) std::memcpy(dst(k), source(0), c1 - c0);
+      continue;
+    }
+    double* const scratch = SumScratch(n, 3);
+    void* const acc = scratch;
+    std::memset(acc, 0, static_cast<size_t>(n) * acc_size);
+    for (uint32_t k = 0; k < t.src_count; ++k) {
+      const BlockRef& b = plan.refs[t.src_begin + k];
+      const double w = plan.weights[t.src_begin + k];
+      if (b.block >= plan.in_blocks && v.producer) {
+        const Transfer& pt = v.producer->transfers[v.producer_first[b.rank] + (b.block - plan.in_blocks)];
+        AddProduced(*v.producer, pt, row, c0, n, w, v, acc, scratch + n, scratch + 2 * n);
+      } else {
+        AxpyRow(dtype, acc, source(k), w, n);
+      }
+    }
+    for (uint32_t k = 0; k < t.dst_count; ++k) StoreSum(dtype, dst(k), acc, n);
+  }
+}
+
 // Moves columns [c0, c1) of one transfer, every row.
 void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
+  if (plan.weighted) return RunWeighted(plan, plan.transfers[transfer], c0, c1, v);
   const Transfer& one = plan.transfers[transfer];
   if (one.src_count == 1 && one.dst_count == 1 && !plan.is_reduction()) {
     // One source to one destination (all_to_all, ppermute, gathers): no
@@ -350,6 +484,7 @@ void RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::vecto
         run_c1 = c1;  // the next lane's range continues the run
         continue;
       }
+      if (plan.weighted) PrefetchSources(plan, piece.transfer, c0, c1, v);  // one transfer ahead
       if (run_c1 > run_c0) RunColumns(plan, run_transfer, run_c0, run_c1, v);
       run_transfer = piece.transfer;
       run_c0 = c0;
@@ -568,6 +703,57 @@ Status StagedJob(const Slot& s, Communicator* comm, const OpParams& p,
 }
 
 }  // namespace
+
+Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, std::vector<int32_t> devices,
+                bool direct, bool staging, std::shared_ptr<const Plan> producer,
+                std::vector<uint32_t> producer_first) {
+  View v;
+  for (const void* in : buffers.in) v.in.push_back(static_cast<const char*>(in));
+  for (const void* scratch : buffers.scratch) v.scratch.push_back(static_cast<const char*>(scratch));
+  for (void* out : buffers.out) v.out.push_back(static_cast<char*>(out));
+  v.in_row_stride = plan->in_blocks * plan->block_bytes;
+  v.out_row_stride = plan->out_blocks * plan->block_bytes;
+  v.block_stride = plan->block_bytes;
+  auto first = std::make_shared<const std::vector<uint32_t>>(std::move(producer_first));
+  if (producer) {
+    v.producer = producer.get();
+    v.producer_first = first->data();
+  }
+  const uint64_t own = plan->chunk_starts.size() - 1;
+  Phase phase;
+  phase.count = own + (producer ? producer->chunk_starts.size() - 1 : 0);
+  phase.run = [plan, producer, first, v = std::move(v), devices = std::move(devices), direct, staging,
+               own](uint64_t chunk) {
+    thread_local std::vector<Stats::LaneBytes> lane_bytes;  // reused by the thread
+    lane_bytes.clear();
+    Stats& stats = GlobalStats();
+    if (chunk >= own) {
+      // The fused producer's chunk: its work ran inside the reader's; its
+      // lanes and bytes are credited as its own phase's would be.
+      const Plan& p = *producer;
+      const uint64_t c = chunk - own;
+      for (uint32_t i = p.chunk_starts[c]; i < p.chunk_starts[c + 1]; ++i) {
+        const LaneTask& task = p.tasks[i];
+        if (task.bytes > 0) lane_bytes.push_back({devices[task.npu], task.lane, task.bytes});
+      }
+      stats.AddLaneBytes(p.on_sdma, p.lanes_per_npu, lane_bytes);
+      stats.AddExchanged(p.chunk_bytes[c].carried, direct);
+      stats.AddLocal(p.chunk_bytes[c].local);
+      return;
+    }
+    RunPieces(*plan, chunk, v, devices, &lane_bytes);
+    const ChunkBytes& bytes = plan->chunk_bytes[chunk];
+    if (staging) {
+      stats.bytes_staged += bytes.written;
+    } else {
+      stats.AddLaneBytes(plan->on_sdma, plan->lanes_per_npu, lane_bytes);
+    }
+    stats.AddExchanged(bytes.carried, direct);
+    stats.AddLocal(bytes.local);
+  };
+  return phase;
+}
+
 
 bool RunsInline(const OpParams& p) {
   return RunsInline(p.mode, p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes, p.group_size,

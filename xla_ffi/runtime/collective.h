@@ -128,6 +128,27 @@ Plan BuildPartitionedPlan(const OpParams& params);
 // (1: SDMA engines), made already; otherwise PlanJob makes it.
 Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job);
 
+// Where a plan's blocks live on each rank, for PlanPhase: its input, its
+// scratch (Plan::scratch_blocks) and its output, one row each.
+struct PlanBuffers {
+  std::vector<const void*> in, scratch;
+  std::vector<void*> out;
+};
+// A partitioned plan's exchange as a phase over `buffers` (one task per host
+// chunk), crediting each lane its bytes and the stats the chunk's, as a
+// collective's exchange does (`devices`: the NPU of each rank). `staging`:
+// the plan writes the ranks' own comm buffers before the exchange
+// (buffer_centric's staging in): what it writes is bytes_staged, and its
+// lanes are not credited, as a staging copy's are not. With `producer`, whose
+// transfer producer_first[r] + j writes block j of rank r's scratch, each
+// scratch source is computed from that transfer as it is read (the host
+// fuses the two passes the NPUs run one after the other: MoE combine's
+// partials into the token's sum), and the producer's lanes and bytes are
+// credited as its own phase's would be.
+Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, std::vector<int32_t> devices,
+                bool direct, bool staging = false, std::shared_ptr<const Plan> producer = nullptr,
+                std::vector<uint32_t> producer_first = {});
+
 // Adds to (*rank_bytes)[r] the bytes per row rank r reads + writes in
 // `plan` (sized by the caller: a plan built in parts adds each part's).
 void AddRankBytes(const Plan& plan, std::vector<int64_t>* rank_bytes);

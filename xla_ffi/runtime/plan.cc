@@ -26,6 +26,15 @@ void Plan::Add(const BlockRef* srcs, uint32_t src_count, const BlockRef* dsts, u
   refs.insert(refs.end(), dsts, dsts + dst_count);
   for (uint32_t k = 1; k < dst_count; ++k) t.local_copies += dsts[k].rank == dsts[k - 1].rank;
   transfers.push_back(t);
+  if (weighted) weights.resize(refs.size(), 1.0);
+}
+
+void Plan::AddWeighted(const BlockRef* srcs, const double* w, uint32_t src_count, const BlockRef* dsts,
+                       uint32_t dst_count, uint32_t span) {
+  weighted = true;
+  weights.resize(refs.size(), 1.0);
+  weights.insert(weights.end(), w, w + src_count);
+  Add(srcs, src_count, dsts, dst_count, span);
 }
 
 namespace {
@@ -315,9 +324,17 @@ void PlanPartition::Finish() {
       for (uint32_t pi = plan.tasks[i].piece_begin; pi < plan.tasks[i].piece_end; ++pi) {
         const Piece& piece = plan.pieces[pi];
         const Transfer& t = plan.transfers[piece.transfer];
+        const int64_t cols = piece.col_end - piece.col_begin;
+        bytes.written += cols * t.dst_count;
         if (t.src_count == 0) continue;
-        bytes.carried += (piece.col_end - piece.col_begin) * (t.dst_count - t.local_copies);
-        bytes.local += (piece.col_end - piece.col_begin) * t.local_copies;
+        if (plan.local_sums) {
+          bytes.local += cols * t.src_count;
+        } else if (plan.weighted) {
+          bytes.carried += cols * t.src_count;
+        } else {
+          bytes.carried += cols * (t.dst_count - t.local_copies);
+          bytes.local += cols * t.local_copies;
+        }
       }
     }
   }

@@ -45,9 +45,12 @@ struct Transfer {
 
 // Bytes per row one host chunk's pieces carry to destination ranks
 // (`carried`: Stats' bytes_exchanged) and copy within a rank (`local`:
-// bytes_local); zero fills are neither.
+// bytes_local); zero fills are neither. A weighted plan's sources are what
+// crosses (each is read by the destination's rank: carried), or, in a
+// local_sums plan, what is summed where it lives (local). `written`: bytes
+// stored to destinations, zero fills included (a staging plan's bytes_staged).
 struct ChunkBytes {
-  int64_t carried = 0, local = 0;
+  int64_t carried = 0, local = 0, written = 0;
 };
 
 enum class Planner : int32_t { kBalanced = 0, kNaive = 1 };
@@ -94,6 +97,21 @@ struct Plan {
   bool on_sdma = false;
   std::vector<BlockRef> refs;
   std::vector<Transfer> transfers;
+  // A weighted sum (MoE combine, op kSum): each destination is 0 + the sum
+  // of weights[k] x source k over the transfer's sources in their listed
+  // order, in the accumulation type (float32; float64 for F64), rounded once
+  // to dtype. `weights` runs beside `refs` (destinations' entries unused).
+  bool weighted = false;
+  std::vector<double> weights;
+  // A source ref's block in_blocks + j names block j of its rank's scratch:
+  // what an earlier plan wrote there (MoE combine's partial sums). Scratch
+  // has `scratch_blocks` blocks of block_bytes per rank.
+  int64_t scratch_blocks = 0;
+  // The sources are summed on the rank that holds them (MoE combine's
+  // partials on the experts' ranks): their bytes are local, not exchanged,
+  // and a lone source of weight 1 is copied as it is (a row staged for its
+  // reader to weight).
+  bool local_sums = false;
 
   // Filled by Partition():
   int32_t lanes_per_npu = 0;
@@ -120,6 +138,9 @@ struct Plan {
   // The same from arrays (plans of many small transfers: MoE dispatch's rows).
   void Add(const BlockRef* srcs, uint32_t src_count, const BlockRef* dsts, uint32_t dst_count,
            uint32_t span = 1);
+  // A weighted plan's transfer: source k weighs w[k].
+  void AddWeighted(const BlockRef* srcs, const double* w, uint32_t src_count, const BlockRef* dsts,
+                   uint32_t dst_count, uint32_t span = 1);
 };
 
 // Splits every transfer's columns over its destination ranks (each computes a

@@ -1,0 +1,43 @@
+// MoE combine as two plans in the collectives' vocabulary, in the order the
+// NPUs work (DeepEP's rule: a token's rows on one rank are summed there and
+// one row crosses back):
+//   partials, on the experts' ranks: per (token, rank) with two or more kept
+//     pairs, the rank's expert rows weighted by the pairs' weights, k
+//     ascending, summed into a block of the rank's scratch (rounded to the
+//     rows' dtype: the row that crosses);
+//   sums, on the tokens' ranks: per token, one source per rank holding its
+//     pairs, ranks ascending: a lone pair's expert row weighted by its weight,
+//     or the rank's partial (weight 1); rounded once into y. Tokens without
+//     a kept pair are zeroed (a run of them is one transfer).
+// With `stage_all` (buffer_centric) every (token, rank)'s row goes through the
+// owner's scratch (its comm buffer), a lone row copied as it is and weighted
+// where it is read. The order is algorithms/moe.h's (and moe.py's references).
+// The runtime runs these (algorithms/moe.cc; in strata mode the host fuses
+// each partial into the sum that reads it) and the model times them.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "../runtime/moe_shape.h"
+#include "../runtime/plan.h"
+#include "../runtime/status.h"
+
+namespace strata {
+
+struct MoeCombinePlans {
+  Plan partials;  // input: each rank's expert rows; output: its scratch
+  Plan sums;      // input: expert rows, scratch blocks past them; output: y
+  // Per rank: its first transfer in `partials`; the one writing its scratch
+  // block j is first_partial[r] + j.
+  std::vector<uint32_t> first_partial;
+};
+
+// pair_slot[r][t * topk + k]: rank r's pair (t, k)'s global slot, or -1
+// (algorithms/moe.h's layout). weights[r]: rank r's [tokens * topk] weights
+// (float32; float64 for F64 rows), or empty for all (every weight 1: the
+// model, which times bytes). A slot outside [-1, num_experts * capacity) is
+// an error; the plans are unpartitioned.
+Status BuildMoeCombinePlans(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
+                            const std::vector<const void*>& weights, bool stage_all, MoeCombinePlans* plans);
+
+}  // namespace strata

@@ -357,7 +357,7 @@ def test_groups_of_a_2d_mesh_and_stats(mesh2x4):
     assert stats["bytes_local"] == ((accepted_rows - crossing_rows) + (accepted_rows - lone_rows)) * row_bytes
     assert stats["bytes_staged"] == 0
     # Dispatch is small here, so it runs on cores too (the collectives' rule,
-    # moe.h MoeDispatchOnSdma): every row read + written by a core, then
+    # collective.h PlanMovesOnSdma): every row read + written by a core, then
     # combine's reads.
     assert sum(map(sum, stats["sdma_bytes"])) == 0
     assert sum(map(sum, stats["core_bytes"])) >= 3 * accepted_rows * row_bytes

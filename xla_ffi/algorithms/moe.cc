@@ -10,12 +10,10 @@
 #include <memory>
 #include <mutex>
 #include <sstream>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "../runtime/observer.h"
-#include "../runtime/reduce_isa.h"
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
@@ -102,10 +100,6 @@ template <> inline Bf16 Narrow<Bf16>(float v) {
   return Bf16{static_cast<uint16_t>((quiet_nan & is_nan) | (rounded & ~is_nan))};
 }
 
-// The weighted accumulation of a row (acc += w * row) is AxpyRow
-// (runtime/reduce_isa.h): compiled per instruction set with the reduction
-// kernels, float16 widened without a libgcc call per element.
-
 template <typename T, typename A>
 inline void Scale(T* out, const T* in, A w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = Narrow<T>(w * Widen(in[i]));
@@ -126,8 +120,8 @@ inline A Dot(const T* a, const T* b, int64_t n) {
 
 // DeepEP's traffic rule: a token crosses to a rank once, however many of its
 // K experts live there. Of the token's pairs on one rank, the one with the
-// lowest k leads: it carries the row across (or, in combine, the rank's one
-// partial sum back), and the others are served from it on that rank.
+// lowest k leads: it carries the row across (combine's backward: ct_y), and
+// the others are served from it on that rank.
 // `slots` are the token's K pair slots (-1: dropped); pair k is kept, on
 // the rank whose slots are `rank` (no division per pair: a 64-bit divide
 // per pair was most of dispatch's time per row).
@@ -140,102 +134,6 @@ inline bool LeadsOnRank(const int32_t* slots, int64_t k, const RankSlots& rank) 
   for (int64_t j = 0; j < k; ++j)
     if (rank.Holds(slots[j])) return false;
   return true;
-}
-
-// A token's kept pairs grouped by owning rank: ranks ascending, k ascending
-// within a rank (the order combine sums in). One per thread, reused token
-// after token.
-struct TokenGroups {
-  struct Pair {
-    int32_t owner, k;
-  };
-  std::vector<Pair> pairs;
-  std::vector<int32_t> group_end;  // group g is pairs [group_end[g-1], group_end[g])
-
-  void Build(const int32_t* slots, int64_t k_top, int64_t slots_per_rank) {
-    pairs.clear();
-    group_end.clear();
-    for (int64_t k = 0; k < k_top; ++k) {
-      if (slots[k] < 0) continue;
-      const Pair p{slots[k] / static_cast<int32_t>(slots_per_rank), static_cast<int32_t>(k)};
-      size_t i = pairs.size();  // insertion sort by owner, stable in k: K is small
-      pairs.push_back(p);
-      while (i > 0 && pairs[i - 1].owner > p.owner) {
-        pairs[i] = pairs[i - 1];
-        --i;
-      }
-      pairs[i] = p;
-    }
-    for (size_t i = 1; i <= pairs.size(); ++i)
-      if (i == pairs.size() || pairs[i].owner != pairs[i - 1].owner) group_end.push_back(static_cast<int32_t>(i));
-  }
-};
-
-// Combine's partial of pairs [begin, end) of a token's group (pairs on one
-// rank, k ascending): part = 0 + sum of w[k] * row of pair k, in the
-// accumulation type. `rows`: the owning rank's expert rows.
-template <typename T, typename A>
-void SumGroup(DType dtype, A* part, int64_t h, const TokenGroups& groups, int32_t begin, int32_t end,
-              const int32_t* token_slots, const A* token_w, const T* rows, int64_t slots_per_rank) {
-  std::fill(part, part + h, A(0));
-  for (int32_t i = begin; i < end; ++i) {
-    const int32_t k = groups.pairs[i].k;
-    AxpyRow(dtype, part, rows + (token_slots[k] % slots_per_rank) * h, static_cast<double>(token_w[k]), h);
-  }
-}
-
-// Direct mode's combine of one token group [begin, end) (its pairs on one
-// rank): acc += w * row for a group of one pair (its row crosses as it is
-// and is weighted on arrival), acc += the partial rounded to T for more
-// (summed on the owning rank; one row crosses), its last pair added in the
-// pass that rounds it. `part`: scratch of h.
-template <typename T, typename A>
-void AddGroup(DType dtype, A* acc, A* part, int64_t h, const TokenGroups& groups, int32_t begin,
-              int32_t end, const int32_t* token_slots, const A* token_w, const T* rows,
-              int64_t slots_per_rank) {
-  const int32_t last_k = groups.pairs[end - 1].k;
-  const T* last_row = rows + (token_slots[last_k] % slots_per_rank) * h;
-  if (end - begin == 1) {
-    AxpyRow(dtype, acc, last_row, static_cast<double>(token_w[last_k]), h);
-    return;
-  }
-  SumGroup<T, A>(dtype, part, h, groups, begin, end - 1, token_slots, token_w, rows, slots_per_rank);
-  AxpyAddRoundedRow(dtype, acc, part, last_row, static_cast<double>(token_w[last_k]), h);
-}
-
-// A finished sum stored as a row of T: the ISA's vector kernel, except for
-// float16, whose NaN payloads only the compiler's conversion keeps.
-template <typename T, typename A>
-void StoreRow(DType dtype, T* out, const A* acc, int64_t h) {
-  if constexpr (std::is_same_v<T, _Float16>) {
-    for (int64_t j = 0; j < h; ++j) out[j] = Narrow<T>(acc[j]);
-  } else {
-    NarrowRow(dtype, out, acc, h);
-  }
-}
-
-// Asks the cache for a token's expert rows before they are summed: they
-// sit on the owning ranks at random rows, and the sum otherwise waits on
-// each row's loads (perf: most of the combine's time was on those loads).
-// `rows_of[r]`: rank r's expert rows; slots -1 (dropped) are skipped, and
-// with `leads_only` so are those a lower k leads on the same rank.
-inline void PrefetchTokenRows(const int32_t* token_slots, int64_t k_top, int64_t slots_per_rank,
-                              const void* const* rows_of, int64_t row_bytes, bool leads_only = false) {
-  for (int64_t k = 0; k < k_top; ++k) {
-    const int32_t slot = token_slots[k];
-    if (slot < 0) continue;
-    const int32_t owner = slot / static_cast<int32_t>(slots_per_rank);
-    if (leads_only && !LeadsOnRank(token_slots, k, RankSlots(owner, slots_per_rank))) continue;
-    const char* row = static_cast<const char*>(rows_of[owner]) + (slot - owner * slots_per_rank) * row_bytes;
-    // Into every cache level (prefetcht0): measured faster than into L2
-    // only, for float32 rows too (a token's rows then fill ~32 KB). The
-    // empty asm is a side effect: without one GCC deleted these loops and
-    // the calls (a prefetch alone is no effect to it; objdump showed none).
-    for (int64_t line = 0; line < row_bytes; line += 64) {
-      __builtin_prefetch(row + line, 0, 3);
-      asm volatile("");
-    }
-  }
 }
 
 // Calls fn<T>() with T the element type of `dtype` (float dtypes only).
@@ -817,6 +715,32 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
   }, std::move(done));
 }
 
+namespace {
+// Combine's plans are rebuilt every op; when an op is over its plans come
+// back here and the next op reuses their arrays (fresh ones cost a page
+// fault per 4 KiB written: most of the serial layout step). At most a few
+// are kept, so memory stays flat.
+std::shared_ptr<MoeCombinePlans> AcquireCombinePlans() {
+  constexpr size_t kKept = 2;
+  static std::mutex& mu = *new std::mutex;  // never destroyed: workers may run at exit
+  static auto& pool = *new std::vector<std::unique_ptr<MoeCombinePlans>>;
+  std::unique_ptr<MoeCombinePlans> plans;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!pool.empty()) {
+      plans = std::move(pool.back());
+      pool.pop_back();
+    }
+  }
+  if (!plans) plans = std::make_unique<MoeCombinePlans>();
+  return std::shared_ptr<MoeCombinePlans>(plans.release(), [](MoeCombinePlans* done) {
+    std::unique_ptr<MoeCombinePlans> owned(done);
+    std::lock_guard<std::mutex> lock(mu);
+    if (pool.size() < kKept) pool.push_back(std::move(owned));
+  });
+}
+}  // namespace
+
 void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
                      const void* weights, const int32_t* pair_slot, void* y, MoeDone done) {
   Status st = CheckCall(kCombineName, p, c);
@@ -842,8 +766,6 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   Launch(kCombineName, p, c, std::move(me), std::move(ptrs),  // &p: see dispatch
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;
-    const int64_t h = p.hidden, k_top = p.topk, rb = p.row_bytes();
-    const int64_t slots_per_rank = p.local_experts() * p.capacity;
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     const bool direct = ranks[0]->rows.direct();
@@ -853,30 +775,30 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     // crosses as it is), else r's partial, the sum of w * row over t's pairs
     // on r in k order, rounded to the rows' dtype (the one row that crosses
     // back); y is that rounded to the rows' dtype. Same order in both modes
-    // and in moe.py's references. As two plans (algorithms/moe_combine_plan.h),
-    // built by a worker: the owners' partials, then the tokens' sums.
+    // and in moe.py's references. As two plans (algorithms/moe_combine_plan.h)
+    // built from the ranks' slots and weights: the owners' partials, then the
+    // tokens' sums.
+    // Phase 1, a task per rank: count its share of the plans (its tokens'
+    // sums, its partials on each owner); then, serially, place every share;
+    // phase 2, a task per rank: fill its share in (the serial build was most
+    // of a small combine's time beside its rows).
+    auto plans = AcquireCombinePlans();
+    auto builder = std::make_shared<MoeCombinePlanBuilder>(p, /*stage_all=*/!direct);
+    Phase count;
+    count.count = n;
+    count.run = [builder, ptrs = PtrTable(s)](uint64_t r) {
+      builder->Count(static_cast<int>(r), static_cast<const int32_t*>(ptrs[r][kSlots]));
+    };
     Phase build;
-    build.count = 1;
-    auto plans = std::make_shared<MoeCombinePlans>();
-    build.run = [p = static_cast<const MoeOpShape&>(p), plans, ranks, ptrs = PtrTable(s), direct](uint64_t) {
-      const int n = p.group_size;
-      std::vector<const int32_t*> slots(n);
-      std::vector<const void*> weights(n);
-      for (int r = 0; r < n; ++r) {
-        slots[r] = static_cast<const int32_t*>(ptrs[r][kSlots]);
-        weights[r] = ptrs[r][kW];
-      }
-      const Status st = BuildMoeCombinePlans(p, slots, weights, /*stage_all=*/!direct, plans.get());
-      if (!st.ok) {
-        for (RankState* r : ranks) r->error = st.message;
-        plans->sums = Plan();
-        return;
-      }
+    build.count = n;
+    build.run = [builder, plans, ptrs = PtrTable(s)](uint64_t r) {
+      builder->Fill(static_cast<int>(r), static_cast<const int32_t*>(ptrs[r][kSlots]), ptrs[r][kW], plans.get());
+    };
+    // Then both plans are partitioned and run.
+    build.then = [p = static_cast<const MoeOpShape&>(p), plans, ranks, ptrs = PtrTable(s), devices = s.devices,
+                direct](Job* more) {
       Partition(plans->partials, p.cores, p.planner);
       Partition(plans->sums, p.cores, p.planner);
-    };
-    build.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices, direct](Job* more) {
-      if (plans->sums.num_ranks == 0) return;  // the build failed: every rank has the error
       const int n = static_cast<int>(ranks.size());
       std::shared_ptr<const Plan> partials(plans, &plans->partials), sums(plans, &plans->sums);
       if (direct) {
@@ -907,8 +829,16 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
       more->phases.push_back(PlanPhase(sums, sum, devices, false));
       more->phases.push_back(StagePhase(ranks, /*in=*/false));
     };
+    count.then = [builder, plans, ranks, build = std::move(build)](Job* more) mutable {
+      const Status st = builder->Layout(plans.get());
+      if (!st.ok) {
+        for (RankState* r : ranks) r->error = st.message;
+        return;
+      }
+      more->phases.push_back(std::move(build));
+    };
     std::vector<Phase> phases;
-    phases.push_back(std::move(build));
+    phases.push_back(std::move(count));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

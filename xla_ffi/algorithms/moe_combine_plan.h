@@ -21,6 +21,7 @@
 #include "../runtime/moe_shape.h"
 #include "../runtime/plan.h"
 #include "../runtime/status.h"
+#include "moe_plan.h"
 
 namespace strata {
 
@@ -30,6 +31,40 @@ struct MoeCombinePlans {
   // Per rank: its first transfer in `partials`; the one writing its scratch
   // block j is first_partial[r] + j.
   std::vector<uint32_t> first_partial;
+};
+
+// BuildMoeCombinePlans in steps that may run in parallel (the runtime runs
+// them as phases): Count(r) for every rank (reads only rank r's slots), then
+// Layout (serial: reports a bad slot, places every rank's share of the
+// plans), then Fill(r) for every rank (writes only rank r's share). The same
+// plans as the serial build.
+class MoeCombinePlanBuilder {
+ public:
+  MoeCombinePlanBuilder(const MoeOpShape& p, bool stage_all);
+  void Count(int r, const int32_t* pair_slot);
+  Status Layout(MoeCombinePlans* plans);
+  // weights: rank r's (as below), or nullptr for all 1.
+  void Fill(int r, const int32_t* pair_slot, const void* weights, MoeCombinePlans* plans) const;
+
+ private:
+  struct Pair {
+    int32_t owner, row;
+    int64_t k;
+  };
+  // Token t's kept pairs by owner (ascending; k ascending within one) into
+  // `kept`, their number into *count; false on a bad slot.
+  bool Group(const int32_t* pair_slot, int64_t t, Pair* kept, int64_t* count) const;
+
+  MoeOpShape p_;
+  bool stage_all_;
+  int64_t per_rank_, slots_;
+  OwnerOf owner_of_;  // slot / per_rank_: a 64-bit divide per pair was most of the build
+  // Per rank: its sums' transfers and refs, its first bad pair (or -1) and slot.
+  std::vector<int64_t> sum_transfers_, sum_refs_, bad_pair_, bad_slot_;
+  // Per (rank r, owner o), r * n + o: partials r's tokens make on o and
+  // their refs; after Layout, where r's first such partial and ref go.
+  std::vector<int64_t> partials_, partial_refs_;
+  std::vector<int64_t> sum_start_, sum_ref_start_;  // per rank, after Layout
 };
 
 // pair_slot[r][t * topk + k]: rank r's pair (t, k)'s global slot, or -1

@@ -23,6 +23,24 @@
 
 namespace strata {
 
+// slot / per_rank for 0 <= slot < 2^31 without a divide: q = (slot * m) >>
+// (31 + L), m = ceil(2^(31+L) / d), L = ceil(log2 d), exact for such slots
+// (m * d - 2^(31+L) < d <= 2^L: Granlund and Montgomery's round-up method).
+class OwnerOf {
+ public:
+  explicit OwnerOf(int64_t d) : shift_(31 + CeilLog2(d)), magic_(((uint64_t{1} << shift_) + d - 1) / d) {}
+  int32_t operator()(int32_t slot) const { return static_cast<int32_t>((static_cast<uint64_t>(slot) * magic_) >> shift_); }
+
+ private:
+  static int CeilLog2(int64_t d) {
+    int l = 0;
+    while ((int64_t{1} << l) < d) ++l;
+    return l;
+  }
+  int shift_;
+  uint64_t magic_;
+};
+
 // pair_slot[r][t * topk + k]: the global slot (expert * capacity + row) of
 // rank r's pair (t, k), or -1 if dropped (algorithms/moe.h's layout). A slot
 // outside [-1, num_experts * capacity) or filled twice is an error.

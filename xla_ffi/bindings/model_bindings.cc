@@ -260,7 +260,8 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
         prog = MoeCombineProgram(std::move(plans.partials), std::move(plans.sums), shape, m);
       }
     } else {
-      prog = MoeProgram(s, op, slots, m);
+      if (op != 2) throw std::invalid_argument("MoE op: 0 dispatch, 1 combine, 2 combine backward");
+      prog = MoeCombineBackwardProgram(s, slots, m);
     }
     if (!rank_npu.empty()) prog.rank_npu = std::move(rank_npu);
     r = Simulate(prog, m, keep_slices);

@@ -569,9 +569,8 @@ std::vector<std::vector<int32_t>> MoePairSlots(const MoeShape& s,
   return slots;
 }
 
-Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int32_t>>& pair_slot,
-                   const Machine& m) {
-  if (op != 0 && op != 2) throw std::invalid_argument("MoeProgram: op 0 (dispatch) or 2 (combine backward)");
+Program MoeCombineBackwardProgram(const MoeShape& s, const std::vector<std::vector<int32_t>>& pair_slot,
+                                  const Machine& m) {
   const int n = s.ranks;
   if (n < 1 || s.experts % n != 0) throw std::invalid_argument("num_experts must be a multiple of the ranks");
   if (static_cast<int>(pair_slot.size()) != n) throw std::invalid_argument("one routing per rank");
@@ -589,7 +588,6 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
   // LeadsOnRank) and serves them all; the others serve 0. Only leads cross.
   std::vector<std::vector<int64_t>> source(n, std::vector<int64_t>(slots_per_rank, -1));
   std::vector<std::vector<int32_t>> serves(n, std::vector<int32_t>(slots_per_rank, 0));
-  std::vector<int64_t> filled(n, 0);
   for (int r = 0; r < n; ++r) {
     if (static_cast<int64_t>(pair_slot[r].size()) != pairs) throw std::invalid_argument("routing has the wrong size");
     for (int64_t i = 0; i < pairs; ++i) {
@@ -598,7 +596,6 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
       if (slot >= n * slots_per_rank) throw std::invalid_argument("slot outside the experts' capacity");
       const int64_t owner = slot / slots_per_rank, first = i - i % s.topk;
       source[owner][slot % slots_per_rank] = static_cast<int64_t>(r) * s.tokens + i / s.topk;
-      filled[owner]++;
       int64_t lead = i;
       for (int64_t j = first; j < i; ++j)
         if (pair_slot[r][j] >= 0 && pair_slot[r][j] / slots_per_rank == owner) {
@@ -609,11 +606,6 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
     }
   }
 
-  // Dispatch moves rows on SDMA or cores by the runtime's rule (moe.h).
-  const bool dispatch_sdma = op == 0 && MoeDispatchOnSdma(s.tokens, rb, slots_per_rank, s.engines,
-                                                          m.sdma_descriptor_us, m.sdma_gbps);
-  const LaneKind kind = dispatch_sdma ? kSdma : kCore;
-  const int lanes = dispatch_sdma ? s.engines : s.cores;
   // Scratch: bytes and messages (rows of a peer are not contiguous there)
   // per rank inside one task, read and written.
   std::vector<int64_t> read_bytes(n, 0), read_msgs(n, 0), write_bytes(n, 0), write_msgs(n, 0);
@@ -644,89 +636,62 @@ Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int3
     if (piece.io_end > piece.io_begin) ph.pieces.push_back(piece);
   };
 
-  // Expert-row tasks: rows of one local expert, about kMoeTaskBytes per task,
-  // lane = task % lanes; `row_work(o, slot, src_rank)` adds a filled row's io.
-  auto expert_tasks = [&](ModelPhase& ph, int task_lanes, auto&& row_work) {
-    const int64_t rows_per_task = std::max<int64_t>(1, kMoeTaskBytes / std::max<int64_t>(1, rb));
-    const int64_t chunks = (cap + rows_per_task - 1) / rows_per_task;
-    for (int o = 0; o < n; ++o)
-      for (int64_t l = 0; l < el; ++l)
-        for (int64_t ch = 0; ch < chunks; ++ch) {
-          ModelPiece piece;
-          piece.rank = o;
-          piece.lane = static_cast<int32_t>((l * chunks + ch) % task_lanes);
-          piece.io_begin = static_cast<uint32_t>(ph.io.size());
-          const int64_t r0 = ch * rows_per_task, r1 = std::min(cap, r0 + rows_per_task);
-          for (int64_t row = l * cap + r0; row < l * cap + r1; ++row) {
-            const int64_t src = source[o][row];
-            if (src >= 0) row_work(o, row, static_cast<int>(src / s.tokens));
-            else if (op == 2 || (op == 0 && !s.buffer_centric)) write(o, rb);  // zeroed (buffer_centric dispatch: when staging out)
+  // The runtime's expert-row tasks (rows of one local expert, about
+  // kMoeTaskBytes each, lane = task % cores). ct_y crosses to a lead row
+  // once (with the weights of the token's pairs there); the lead serves
+  // every pair of the token on the rank: w * ct_y into its row, and
+  // <ct_y, expert row> computed there, the scalar written back. Empty rows
+  // are zeroed.
+  ModelPhase ex;
+  ex.kind = kExchange;
+  ex.lanes = kCore;
+  ex.reduce = true;
+  ex.sync_before = true;
+  const int64_t rows_per_task = std::max<int64_t>(1, kMoeTaskBytes / std::max<int64_t>(1, rb));
+  const int64_t chunks = (cap + rows_per_task - 1) / rows_per_task;
+  for (int o = 0; o < n; ++o)
+    for (int64_t l = 0; l < el; ++l)
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        ModelPiece piece;
+        piece.rank = o;
+        piece.lane = static_cast<int32_t>((l * chunks + ch) % s.cores);
+        piece.io_begin = static_cast<uint32_t>(ex.io.size());
+        const int64_t r0 = ch * rows_per_task, r1 = std::min(cap, r0 + rows_per_task);
+        for (int64_t row = l * cap + r0; row < l * cap + r1; ++row) {
+          if (source[o][row] < 0) {
+            write(o, rb);
+            continue;
           }
-          flush(ph, piece);
+          const int src = static_cast<int>(source[o][row] / s.tokens);
+          const int32_t served = serves[o][row];
+          if (served == 0) continue;
+          read(src, rb + served * wb);
+          for (int32_t f = 0; f < served; ++f) {
+            read(o, rb);
+            write(o, rb);
+          }
+          write(src, served * wb, 1);
         }
-  };
-  const int64_t x_bytes = s.tokens * rb, slots_bytes = slots_per_rank * rb;
-  int64_t in_bytes = 0, out_bytes = 0;
-  std::vector<ModelPhase> work;  // the op's phases between staging in and out
-  if (op == 0) {
-    // A lead row crosses from its source; in strata mode the token's other
-    // rows on the rank are copied from it there (buffer_centric: when
-    // staging out), timed where they lie.
-    ModelPhase ex;
-    ex.kind = kExchange;
-    ex.lanes = kind;
-    ex.sync_before = true;
-    expert_tasks(ex, lanes, [&](int o, int64_t row, int src) {
-      if (serves[o][row] > 0) read(src, rb);
-      else if (!s.buffer_centric) read(o, rb);
-      else return;
-      write(o, rb);
-    });
-    work.push_back(std::move(ex));
-    in_bytes = x_bytes;
-    out_bytes = slots_bytes;
-  } else {
-    // ct_y crosses to a lead row once (with the weights of the token's pairs
-    // there); the lead serves every pair of the token on the rank: w * ct_y
-    // into its row, and <ct_y, expert row> computed there, the scalar written
-    // back.
-    ModelPhase ex;
-    ex.kind = kExchange;
-    ex.lanes = kCore;
-    ex.reduce = true;
-    ex.sync_before = true;
-    expert_tasks(ex, s.cores, [&](int o, int64_t row, int src) {
-      const int32_t served = serves[o][row];
-      if (served == 0) return;
-      read(src, rb + served * wb);
-      for (int32_t f = 0; f < served; ++f) {
-        read(o, rb);
-        write(o, rb);
+        flush(ex, piece);
       }
-      write(src, served * wb, 1);
-    });
-    work.push_back(std::move(ex));
-    in_bytes = x_bytes + slots_bytes + pairs * wb;
-    out_bytes = slots_bytes + pairs * wb;
-  }
+  const int64_t in_bytes = s.tokens * rb + slots_per_rank * rb + pairs * wb;
+  const int64_t out_bytes = slots_per_rank * rb + pairs * wb;
   if (s.buffer_centric) {
     if (in_bytes > s.comm_buffer_bytes || out_bytes > s.comm_buffer_bytes)
       throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
     ModelPhase in;
     in.kind = kStageIn;
-    in.lanes = kind;
-    for (int r = 0; r < n; ++r) AddLocalCopies(in, r, in_bytes, lanes);
+    in.lanes = kCore;
+    for (int r = 0; r < n; ++r) AddLocalCopies(in, r, in_bytes, s.cores);
     prog.phases.push_back(std::move(in));
   }
-  for (ModelPhase& ph : work) prog.phases.push_back(std::move(ph));
+  prog.phases.push_back(std::move(ex));
   if (s.buffer_centric) {
-    // Dispatch copies out its filled rows (leads, then the fan-out from
-    // them; empty rows are zeroed, not copied: left out).
     ModelPhase out;
     out.kind = kStageOut;
-    out.lanes = kind;
+    out.lanes = kCore;
     out.sync_before = true;
-    for (int r = 0; r < n; ++r) AddLocalCopies(out, r, op == 0 ? filled[r] * rb : out_bytes, lanes);
+    for (int r = 0; r < n; ++r) AddLocalCopies(out, r, out_bytes, s.cores);
     prog.phases.push_back(std::move(out));
   }
   return prog;

@@ -155,15 +155,18 @@ Program PlanProgram(Plan plan, const OpParams& p, const Machine& m);
 Program MoeCombineProgram(Plan partials, Plan sums, const MoeOpShape& p, const Machine& m);
 
 // MoE. pair_slot[rank][t*K+k] = e*capacity + row, or -1 (dropped), as the
-// runtime computes it (moe.h); op: 0 dispatch, 1 combine, 2 combine backward.
+// runtime computes it (moe.h).
 struct MoeShape {
   int32_t ranks = 1, experts = 1, cores = 48, engines = 16;
   int64_t tokens = 0, topk = 1, capacity = 1, row_bytes = 0, weight_bytes = 4;
   bool buffer_centric = false;
   int64_t comm_buffer_bytes = 200 << 20;
 };
-Program MoeProgram(const MoeShape& s, int op, const std::vector<std::vector<int32_t>>& pair_slot,
-                   const Machine& m);
+// Combine's backward as the runtime's own tasks run it (algorithms/moe.cc:
+// not a plan yet, issue 28), described here by hand: the one MoE op the
+// model does not time from the runtime's plan.
+Program MoeCombineBackwardProgram(const MoeShape& s, const std::vector<std::vector<int32_t>>& pair_slot,
+                                  const Machine& m);
 
 // The runtime's slot assignment from every rank's routing (ranks in order,
 // tokens in order, k in order; full experts drop the pair).

@@ -1,6 +1,6 @@
-// An MoE op's shape as every rank of its group agrees on it, and the two
-// rules the runtime's MoE work and the supernode model must share: the size
-// of a work unit and which lanes dispatch's rows move on. Here, below both
+// An MoE op's shape as every rank of its group agrees on it, and the rule
+// the runtime's MoE engine (combine's backward) and the supernode model must
+// share: the size of a work unit. Here, below both
 // algorithms/moe.h (whose MoeParams extends the shape) and model/, so the
 // model times MoE without reaching up into the algorithms.
 #pragma once
@@ -19,7 +19,8 @@ struct MoeOpShape {
   int64_t tokens = 0, topk = 0, hidden = 0;  // per rank
   DType dtype = DType::F32;                   // token / expert rows
   // How a plan's work is split over lanes (strata.config(planner=)): MoE
-  // dispatch's plan honours it; combine's engine has its own split.
+  // dispatch's and combine's plans honour it; the backward's engine has its
+  // own split.
   Planner planner = Planner::kBalanced;
   int32_t cores = 1, engines = 1;
   // kBufferCentric: the vendor-library baseline. Rows peers read are first
@@ -36,14 +37,5 @@ struct MoeOpShape {
 // over the host workers and lanes, large enough that claiming tasks is not
 // contended. The model times the same tasks.
 inline constexpr int64_t kMoeTaskBytes = 256 << 10;
-
-// Whether the hand-written model's dispatch tasks (model.cc MoeProgram, no
-// longer reached: dispatch is a plan, on PlanJob's lanes) run on the SDMA
-// engines or the vector cores: the collectives' rule (collective.h,
-// MovesOnSdma) over the rank's bytes (its tokens in, its experts' slots out).
-inline bool MoeDispatchOnSdma(int64_t tokens, int64_t row_bytes, int64_t local_slots, int engines,
-                              double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps) {
-  return MovesOnSdma((tokens + local_slots) * row_bytes, engines, descriptor_us, sdma_gbps);
-}
 
 }  // namespace strata

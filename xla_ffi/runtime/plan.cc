@@ -29,6 +29,31 @@ void Plan::Add(const BlockRef* srcs, uint32_t src_count, const BlockRef* dsts, u
   if (weighted) weights.resize(refs.size(), 1.0);
 }
 
+void Plan::Clear() {
+  Plan fresh;
+  // Every list moves over to `fresh` and back, emptied: what Plan gains later
+  // is reset too, as long as it is listed in the swap below or a scalar.
+  std::swap(fresh.refs, refs);
+  std::swap(fresh.transfers, transfers);
+  std::swap(fresh.weights, weights);
+  std::swap(fresh.pieces, pieces);
+  std::swap(fresh.tasks, tasks);
+  std::swap(fresh.chunk_starts, chunk_starts);
+  std::swap(fresh.chunk_bytes, chunk_bytes);
+  std::swap(fresh.moves, moves);
+  std::swap(fresh.move_starts, move_starts);
+  *this = std::move(fresh);  // the scalars as constructed, the lists it held
+  refs.clear();
+  transfers.clear();
+  weights.clear();
+  pieces.clear();
+  tasks.clear();
+  chunk_starts.clear();
+  chunk_bytes.clear();
+  moves.clear();
+  move_starts.clear();
+}
+
 void Plan::AddWeighted(const BlockRef* srcs, const double* w, uint32_t src_count, const BlockRef* dsts,
                        uint32_t dst_count, uint32_t span) {
   weighted = true;

@@ -783,7 +783,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     // phase 2, a task per rank: fill its share in (the serial build was most
     // of a small combine's time beside its rows).
     auto plans = AcquireCombinePlans();
-    auto builder = std::make_shared<MoeCombinePlanBuilder>(p, /*stage_all=*/!direct);
+    auto builder = std::make_shared<MoeCombinePlanBuilder>(p, /*stage_all=*/!direct, plans.get());
     Phase count;
     count.count = n;
     count.run = [builder, ptrs = PtrTable(s)](uint64_t r) {
@@ -792,13 +792,15 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     Phase build;
     build.count = n;
     build.run = [builder, plans, ptrs = PtrTable(s)](uint64_t r) {
-      builder->Fill(static_cast<int>(r), static_cast<const int32_t*>(ptrs[r][kSlots]), ptrs[r][kW], plans.get());
+      builder->Fill(static_cast<int>(r), ptrs[r][kW]);
     };
-    // Then both plans are partitioned and run.
-    build.then = [p = static_cast<const MoeOpShape&>(p), plans, ranks, ptrs = PtrTable(s), devices = s.devices,
-                direct](Job* more) {
-      Partition(plans->partials, p.cores, p.planner);
-      Partition(plans->sums, p.cores, p.planner);
+    // Then both plans are partitioned (a task each) and run.
+    Phase partition;
+    partition.count = 2;
+    partition.run = [p = static_cast<const MoeOpShape&>(p), plans](uint64_t i) {
+      Partition(i == 0 ? plans->partials : plans->sums, p.cores, p.planner);
+    };
+    partition.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices, direct](Job* more) {
       const int n = static_cast<int>(ranks.size());
       std::shared_ptr<const Plan> partials(plans, &plans->partials), sums(plans, &plans->sums);
       if (direct) {
@@ -829,8 +831,9 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
       more->phases.push_back(PlanPhase(sums, sum, devices, false));
       more->phases.push_back(StagePhase(ranks, /*in=*/false));
     };
+    build.then = [partition = std::move(partition)](Job* more) mutable { more->phases.push_back(std::move(partition)); };
     count.then = [builder, plans, ranks, build = std::move(build)](Job* more) mutable {
-      const Status st = builder->Layout(plans.get());
+      const Status st = builder->Layout();
       if (!st.ok) {
         for (RankState* r : ranks) r->error = st.message;
         return;

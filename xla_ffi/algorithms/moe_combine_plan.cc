@@ -13,9 +13,10 @@ constexpr const char* kName = "strata.moe.combine";
 
 }  // namespace
 
-MoeCombinePlanBuilder::MoeCombinePlanBuilder(const MoeOpShape& p, bool stage_all)
+MoeCombinePlanBuilder::MoeCombinePlanBuilder(const MoeOpShape& p, bool stage_all, MoeCombinePlans* plans)
     : p_(p),
       stage_all_(stage_all),
+      plans_(plans),
       per_rank_(p.local_experts() * p.capacity),
       slots_(p.group_size * per_rank_),
       owner_of_(std::max<int64_t>(per_rank_, 1)),
@@ -24,7 +25,10 @@ MoeCombinePlanBuilder::MoeCombinePlanBuilder(const MoeOpShape& p, bool stage_all
       bad_pair_(p.group_size, -1),
       bad_slot_(p.group_size, 0),
       partials_(static_cast<size_t>(p.group_size) * p.group_size, 0),
-      partial_refs_(static_cast<size_t>(p.group_size) * p.group_size, 0) {}
+      partial_refs_(static_cast<size_t>(p.group_size) * p.group_size, 0) {
+  plans->grouped.resize(p.group_size);
+  plans->grouped_count.resize(p.group_size);
+}
 
 bool MoeCombinePlanBuilder::Group(const int32_t* pair_slot, int64_t t, Pair* kept, int64_t* count) const {
   const int64_t divisor = std::max<int64_t>(per_rank_, 1);
@@ -35,7 +39,7 @@ bool MoeCombinePlanBuilder::Group(const int32_t* pair_slot, int64_t t, Pair* kep
     if (slot == -1) continue;
     if (slot < -1 || slot >= slots_) return false;
     const int32_t owner = owner_of_(slot);
-    const Pair pair{owner, static_cast<int32_t>(slot - owner * divisor), k};
+    const Pair pair{owner, static_cast<int32_t>(slot - owner * divisor), static_cast<int32_t>(k)};
     int64_t i = (*count)++;  // insertion sort by owner, stable in k: K is small
     for (; i > 0 && kept[i - 1].owner > pair.owner; --i) kept[i] = kept[i - 1];
     kept[i] = pair;
@@ -56,16 +60,20 @@ int64_t GroupEnd(const P* kept, int64_t begin, int64_t count) {
 void MoeCombinePlanBuilder::Count(int r, const int32_t* pair_slot) {
   if (slots_ > INT32_MAX || p_.tokens > INT32_MAX) return;  // Layout says so
   const int n = p_.group_size;
-  thread_local std::vector<Pair> thread_kept;  // the thread's scratch
-  if (thread_kept.size() < static_cast<size_t>(p_.topk)) thread_kept.resize(p_.topk);
-  Pair* const kept = thread_kept.data();
+  std::vector<Pair>& grouped = plans_->grouped[r];
+  std::vector<int32_t>& counts = plans_->grouped_count[r];
+  grouped.resize(p_.tokens * p_.topk);
+  counts.resize(p_.tokens);
   int64_t* const partials = partials_.data() + static_cast<size_t>(r) * n;
   int64_t* const refs = partial_refs_.data() + static_cast<size_t>(r) * n;
   int64_t transfers = 0, sum_refs = 0;
   bool open_zeros = false;
   for (int64_t t = 0; t < p_.tokens; ++t) {
     int64_t count = 0;
-    if (!Group(pair_slot, t, kept, &count)) {
+    Pair* const kept = grouped.data() + t * p_.topk;
+    const bool good = Group(pair_slot, t, kept, &count);
+    counts[t] = static_cast<int32_t>(count);
+    if (!good) {
       for (int64_t k = 0; k < p_.topk; ++k) {
         const int32_t slot = pair_slot[t * p_.topk + k];
         if (slot < -1 || slot >= slots_) {
@@ -97,7 +105,8 @@ void MoeCombinePlanBuilder::Count(int r, const int32_t* pair_slot) {
   sum_refs_[r] = sum_refs;
 }
 
-Status MoeCombinePlanBuilder::Layout(MoeCombinePlans* plans) {
+Status MoeCombinePlanBuilder::Layout() {
+  MoeCombinePlans* const plans = plans_;
   const int n = p_.group_size;
   if (slots_ > INT32_MAX || p_.tokens > INT32_MAX)
     return Status::Error(std::string(kName) + ": more than 2^31 slots or tokens per rank is not supported");
@@ -162,15 +171,14 @@ Status MoeCombinePlanBuilder::Layout(MoeCombinePlans* plans) {
   return Status::Ok();
 }
 
-void MoeCombinePlanBuilder::Fill(int r, const int32_t* pair_slot, const void* weights,
-                                 MoeCombinePlans* plans) const {
+void MoeCombinePlanBuilder::Fill(int r, const void* weights) const {
+  MoeCombinePlans* const plans = plans_;
   const int n = p_.group_size;
   const int64_t k_top = p_.topk;
   Plan& sums = plans->sums;
   Plan& partials = plans->partials;
-  thread_local std::vector<Pair> thread_kept;  // the thread's scratch
-  if (thread_kept.size() < static_cast<size_t>(k_top)) thread_kept.resize(k_top);
-  Pair* const kept = thread_kept.data();
+  const Pair* const grouped = plans->grouped[r].data();
+  const int32_t* const counts = plans->grouped_count[r].data();
   // Where r's next partial on each owner and its refs go.
   thread_local std::vector<int64_t> thread_next, thread_next_ref;
   thread_next.assign(partials_.begin() + static_cast<size_t>(r) * n, partials_.begin() + static_cast<size_t>(r + 1) * n);
@@ -186,8 +194,8 @@ void MoeCombinePlanBuilder::Fill(int r, const int32_t* pair_slot, const void* we
   int64_t transfer = sum_start_[r], ref = sum_ref_start_[r];
   bool open_zeros = false;  // the last transfer zeroes a run of r's tokens
   for (int64_t t = 0; t < p_.tokens; ++t) {
-    int64_t count = 0;
-    Group(pair_slot, t, kept, &count);
+    const int64_t count = counts[t];
+    const Pair* const kept = grouped + t * k_top;
     const BlockRef y{r, static_cast<int32_t>(t)};
     if (count == 0) {
       if (open_zeros) {
@@ -248,11 +256,11 @@ Status BuildMoeCombinePlans(const MoeOpShape& p, const std::vector<const int32_t
   if (static_cast<int>(pair_slot.size()) != n || (!weights.empty() && static_cast<int>(weights.size()) != n))
     return Status::Error(std::string(kName) + ": " + std::to_string(pair_slot.size()) +
                          " ranks' slots for a group of " + std::to_string(n));
-  MoeCombinePlanBuilder builder(p, stage_all);
+  MoeCombinePlanBuilder builder(p, stage_all, plans);
   for (int r = 0; r < n; ++r) builder.Count(r, pair_slot[r]);
-  const Status st = builder.Layout(plans);
+  const Status st = builder.Layout();
   if (!st.ok) return st;
-  for (int r = 0; r < n; ++r) builder.Fill(r, pair_slot[r], weights.empty() ? nullptr : weights[r], plans);
+  for (int r = 0; r < n; ++r) builder.Fill(r, weights.empty() ? nullptr : weights[r]);
   return Status::Ok();
 }
 

@@ -25,12 +25,23 @@
 
 namespace strata {
 
+// A kept pair as the builder groups a token's pairs: its owner, its row
+// there, its k.
+struct MoeGroupedPair {
+  int32_t owner, row, k;
+};
+
 struct MoeCombinePlans {
   Plan partials;  // input: each rank's expert rows; output: its scratch
   Plan sums;      // input: expert rows, scratch blocks past them; output: y
   // Per rank: its first transfer in `partials`; the one writing its scratch
   // block j is first_partial[r] + j.
   std::vector<uint32_t> first_partial;
+  // The builder's scratch, kept with the plans (the runtime pools them): per
+  // rank, its tokens' kept pairs grouped by owner (topk entries per token)
+  // and their numbers, so Fill does not group them again.
+  std::vector<std::vector<MoeGroupedPair>> grouped;
+  std::vector<std::vector<int32_t>> grouped_count;
 };
 
 // BuildMoeCombinePlans in steps that may run in parallel (the runtime runs
@@ -40,23 +51,22 @@ struct MoeCombinePlans {
 // plans as the serial build.
 class MoeCombinePlanBuilder {
  public:
-  MoeCombinePlanBuilder(const MoeOpShape& p, bool stage_all);
+  // Builds into *plans (which must outlive the steps).
+  MoeCombinePlanBuilder(const MoeOpShape& p, bool stage_all, MoeCombinePlans* plans);
   void Count(int r, const int32_t* pair_slot);
-  Status Layout(MoeCombinePlans* plans);
+  Status Layout();
   // weights: rank r's (as below), or nullptr for all 1.
-  void Fill(int r, const int32_t* pair_slot, const void* weights, MoeCombinePlans* plans) const;
+  void Fill(int r, const void* weights) const;
 
  private:
-  struct Pair {
-    int32_t owner, row;
-    int64_t k;
-  };
+  using Pair = MoeGroupedPair;
   // Token t's kept pairs by owner (ascending; k ascending within one) into
   // `kept`, their number into *count; false on a bad slot.
   bool Group(const int32_t* pair_slot, int64_t t, Pair* kept, int64_t* count) const;
 
   MoeOpShape p_;
   bool stage_all_;
+  MoeCombinePlans* plans_;
   int64_t per_rank_, slots_;
   OwnerOf owner_of_;  // slot / per_rank_: a 64-bit divide per pair was most of the build
   // Per rank: its sums' transfers and refs, its first bad pair (or -1) and slot.

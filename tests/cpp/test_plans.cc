@@ -706,9 +706,10 @@ void CheckUniformRaggedIsAllToAll() {
         "ragged " << ragged.time_us << " us, all_to_all " << all_to_all.time_us);
 }
 
-// MoE dispatch: the plan of random routings' slots against the routing itself.
-void CheckMoeDispatchPlan(std::mt19937_64& rng, int n, int experts, int64_t tokens, int64_t topk, int64_t capacity,
-                          int lanes) {
+// Random routings: top_k distinct experts per token, slots as the runtime
+// assigns them (full experts drop pairs).
+std::vector<std::vector<int32_t>> RandomSlots(std::mt19937_64& rng, int n, int experts, int64_t tokens, int64_t topk,
+                                              int64_t capacity) {
   model::MoeShape shape;
   shape.ranks = n;
   shape.experts = experts;
@@ -718,10 +719,16 @@ void CheckMoeDispatchPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
     for (int64_t t = 0; t < tokens; ++t) {
       std::vector<int32_t> all(experts);
       for (int e = 0; e < experts; ++e) all[e] = e;
-      std::shuffle(all.begin(), all.end(), rng);  // top_k distinct experts
+      std::shuffle(all.begin(), all.end(), rng);
       for (int64_t k = 0; k < topk; ++k) rank[t * topk + k] = all[k];
     }
-  const auto slots = model::MoePairSlots(shape, idx);
+  return model::MoePairSlots(shape, idx);
+}
+
+// MoE dispatch: the plan of random routings' slots against the routing itself.
+void CheckMoeDispatchPlan(std::mt19937_64& rng, int n, int experts, int64_t tokens, int64_t topk, int64_t capacity,
+                          int lanes) {
+  const auto slots = RandomSlots(rng, n, experts, tokens, topk, capacity);
   MoeOpShape p;
   p.group_size = n;
   p.num_experts = experts;
@@ -855,25 +862,6 @@ void CheckMoeDispatchPlans(int64_t* plans) {
     CHECK(!st.ok && st.message.find("rank 1's pair (token 0, k=1)") != std::string::npos,
           "moe_dispatch slot filled by two ranks: " << st.message);
   }
-}
-
-// Random routings: top_k distinct experts per token, slots as the runtime
-// assigns them (full experts drop pairs).
-std::vector<std::vector<int32_t>> RandomSlots(std::mt19937_64& rng, int n, int experts, int64_t tokens, int64_t topk,
-                                              int64_t capacity) {
-  model::MoeShape shape;
-  shape.ranks = n;
-  shape.experts = experts;
-  shape.capacity = capacity;
-  std::vector<std::vector<int32_t>> idx(n, std::vector<int32_t>(tokens * topk));
-  for (auto& rank : idx)
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::vector<int32_t> all(experts);
-      for (int e = 0; e < experts; ++e) all[e] = e;
-      std::shuffle(all.begin(), all.end(), rng);
-      for (int64_t k = 0; k < topk; ++k) rank[t * topk + k] = all[k];
-    }
-  return model::MoePairSlots(shape, idx);
 }
 
 // MoE combine: plans of a random routing, run as the runtime runs them,

@@ -7,7 +7,7 @@ are built the same way, once each, non-editable, into a cache directory
 checkout's editable build against a pip-built one differed by up to 1.5x at
 64 KiB with the same code (a build's code layout, not the change). Then --rounds rounds each start one process per side,
 alternating which side goes first; each process times every case (MoE
-dispatch and combine in both modes and two dtypes, the six collectives at two
+dispatch, combine and combine's backward in both modes and two dtypes, the six collectives at two
 sizes) on 8 emulated NPUs from plain jax.device_put inputs, --calls individually
 blocked calls after a warm-up, and reports the median and 25th percentile.
 Prints a markdown table: per case the median over rounds of each side's
@@ -43,7 +43,7 @@ def cases(only: str) -> list[str]:
     out = []
     if only in ("all", "moe"):
         out += [f"moe_{op} {mode} {dt}" for mode in ("strata", "buffer_centric")
-                for dt in ("float32", "bfloat16") for op in ("dispatch", "combine")]
+                for dt in ("float32", "bfloat16") for op in ("dispatch", "combine", "combine_backward")]
     if only in ("all", "collectives"):
         out += [f"{op} strata float32 {nbytes >> 10}K" for nbytes in COLLECTIVE_BYTES for op in COLLECTIVES]
     return out
@@ -106,6 +106,16 @@ def worker(site: str | None, calls: int, only: str) -> None:
                     results[case] = timed(dispatch, (x, idx))
                     continue
                 _, handle = dispatch(x, idx)
+                if name == "moe_combine_backward":
+                    # The VJP on its own (jax.vjp would run the forward too).
+                    from stratacl_jax import moe as moe_module
+                    ct = jax.device_put(rng.standard_normal((n * t, h)).astype(dt), sharded)
+
+                    def backward(y, hd, w, ct):
+                        hd = jax.tree.map(lambda a: a[0], hd)
+                        return moe_module._combine_bwd(("x",), (y, w, hd.pair_slot, hd.slot_source), ct)[:2]
+                    results[case] = timed(smap(backward, 4, 2), (ey, handle, w, ct))
+                    continue
                 combine = smap(lambda y, hd, w: strata.moe.combine(y, jax.tree.map(lambda a: a[0], hd), w), 3)
                 results[case] = timed(combine, (ey, handle, w))
             else:

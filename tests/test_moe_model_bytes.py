@@ -4,11 +4,7 @@ same routing (the dispatch's pair_slot) with keep_slices; the bytes each
 NPU's lanes moved in the exchange must be the bytes the model gave each of
 them, exactly, and buffer_centric's staging must match too.
 
-Dispatch and combine agree: they run from the plans the model times. The
-backward does not yet (strict xfail): the host runs it as its own engine's
-tasks, which the hand-written model describes in its own split. It will
-agree once it runs from a plan too (issue 28); until then this names the
-gap instead of hiding it."""
+Every MoE op runs from the plans the model times, so they agree."""
 import collections
 
 import jax
@@ -150,8 +146,24 @@ def test_combine_lanes_match_the_model(mesh8, mode, dtype, capacity):
         assert staged == 0 and stats["bytes_staged"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="the host serves combine's backward per expert row and credits the owner's "
-                                       "lanes by its own task split, not a plan's (issue 28: MoE as plans)")
-def test_combine_backward_lanes_match_the_model(mesh8):
-    runtime, modeled, _, _ = run_and_model(mesh8, "moe_combine_backward", "strata", np.float32, 48, 136, 20, 5)
-    assert runtime == modeled
+@pytest.mark.parametrize("mode", ["strata", "buffer_centric"])
+@pytest.mark.parametrize("dtype", [np.float32, jax.numpy.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("capacity", [20, 200])
+def test_combine_backward_lanes_match_the_model(mesh8, mode, dtype, capacity):
+    # The backward is three plans (algorithms/moe_backward_plan.h): the
+    # owners pull ct_y once per (token, rank), scale it into every row of
+    # the token and take each pair's dot there. In strata mode the host reads
+    # each carried row where it comes from, and still credits the carry's
+    # lanes, as the model does.
+    runtime, modeled, stats, staged = run_and_model(mesh8, "moe_combine_backward", mode, dtype, 48, 136, capacity, 5)
+    assert runtime and runtime == modeled
+    assert len({npu for npu, _, _ in runtime}) == N
+    if mode == "buffer_centric":
+        # ct_y and the expert rows staged in, d_expert_y and d_weights out.
+        rb = 136 * np.dtype(dtype).itemsize
+        ins = N * 48 * rb + E * capacity * rb
+        outs = E * capacity * rb + N * 48 * K * 4
+        assert stats["bytes_staged"] == ins + outs
+        assert staged == 2 * (ins + outs)
+    else:
+        assert staged == 0 and stats["bytes_staged"] == 0

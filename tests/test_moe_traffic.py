@@ -169,6 +169,9 @@ def test_each_token_crosses_once_per_rank(mesh8, mode, dtype, seed):
     assert c_stats["bytes_direct"] == (0 if staged else pairs * rb)
     assert c_stats["bytes_local"] == (accepted if staged else accepted - lone) * rb
     assert c_stats["bytes_staged"] == ((pairs + N * T) * rb if staged else 0)
-    # backward: ct_y crosses once per (token, rank), one d_weights scalar back per pair.
+    # backward: ct_y crosses once per (token, rank), one d_weights scalar back
+    # per pair; every accepted row's gradient is scaled from the crossed row
+    # where it landed (local).
     assert b_stats["bytes_exchanged"] == pairs * rb + accepted * wsize
-    assert b_stats["bytes_local"] == (accepted - pairs) * rb
+    assert b_stats["bytes_direct"] == (0 if staged else pairs * rb + accepted * wsize)
+    assert b_stats["bytes_local"] == accepted * rb

@@ -45,6 +45,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../xla_ffi/algorithms/moe_backward_plan.h"
 #include "../../xla_ffi/algorithms/moe_combine_plan.h"
 #include "../../xla_ffi/algorithms/moe_plan.h"
 #include "../../xla_ffi/algorithms/op_registry.h"
@@ -1027,6 +1028,168 @@ void CheckMoeCombinePlans(int64_t* plans) {
         "moe_combine bad slots: " << st.message);
 }
 
+// MoE combine's backward: plans of a random routing, run as the runtime
+// runs them (strata: the carry fused into its readers; buffer_centric: the
+// carry into scratch first), against numpy's arithmetic done here by hand:
+// d_expert_y[slot] = w x ct_y[token] (one float product), d_weights[pair] =
+// <ct_y[token], expert row> (float32 accumulation: within a bound of the
+// exact dot), zeros for empty slots and dropped pairs.
+void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t tokens, int64_t topk, int64_t capacity,
+                          int64_t hidden, Planner planner, bool staged) {
+  const auto slots = RandomSlots(rng, n, experts, tokens, topk, capacity);
+  const int64_t per_rank = experts / n * capacity, pairs = tokens * topk;
+  MoeOpShape p;
+  p.group_size = n;
+  p.num_experts = experts;
+  p.capacity = capacity;
+  p.tokens = tokens;
+  p.topk = topk;
+  p.hidden = hidden;
+  p.dtype = DType::F32;
+  p.cores = 3;
+  p.engines = 2;
+  p.planner = planner;
+  std::normal_distribution<float> normal;
+  auto random = [&](int64_t count) {
+    std::vector<std::vector<float>> out(n, std::vector<float>(count));
+    for (auto& r : out)
+      for (float& v : r) v = normal(rng);
+    return out;
+  };
+  const auto ct = random(tokens * hidden), ey = random(per_rank * hidden), w = random(pairs);
+  std::vector<std::vector<int32_t>> sources(n, std::vector<int32_t>(per_rank, -1));
+  for (int r = 0; r < n; ++r)
+    for (int64_t i = 0; i < pairs; ++i)
+      if (slots[r][i] >= 0) sources[slots[r][i] / per_rank][slots[r][i] % per_rank] = static_cast<int32_t>(r * pairs + i);
+  std::vector<const int32_t*> slot_ptrs, source_ptrs;
+  std::vector<const void*> w_ptrs;
+  for (int r = 0; r < n; ++r)
+    slot_ptrs.push_back(slots[r].data()), source_ptrs.push_back(sources[r].data()), w_ptrs.push_back(w[r].data());
+  std::ostringstream name;
+  name << "moe_combine_backward n=" << n << " E=" << experts << " T=" << tokens << " K=" << topk << " C=" << capacity
+       << " H=" << hidden << " " << PlannerName(planner) << (staged ? " staged" : "");
+  g_context = name.str();
+  auto plans = std::make_shared<MoeBackwardPlans>();
+  const Status st = BuildMoeBackwardPlans(p, slot_ptrs, source_ptrs, w_ptrs, plans.get());
+  CHECK(st.ok, name.str() << ": refused: " << st.message);
+  if (!st.ok) return;
+  PartitionMoeBackwardPlans(p, plans.get());
+
+  // Structure: one carried row per (token, owner) with kept pairs, pulled
+  // by the owner into its scratch block first_carry[o] + j; every product
+  // run by the owner of its expert row.
+  int64_t accepted = 0, distinct = 0;
+  for (int r = 0; r < n; ++r)
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::map<int64_t, int> owners;
+      for (int64_t k = 0; k < topk; ++k)
+        if (slots[r][t * topk + k] >= 0) owners[slots[r][t * topk + k] / per_rank]++, ++accepted;
+      distinct += static_cast<int64_t>(owners.size());
+    }
+  const Plan &carry = plans->carry, &scale = plans->scale, &dots = plans->dots;
+  CHECK(static_cast<int64_t>(carry.transfers.size()) == distinct,
+        name.str() << ": " << carry.transfers.size() << " rows carried, want " << distinct);
+  for (int o = 0; o < n; ++o) {
+    const uint32_t end = o + 1 < n ? plans->first_carry[o + 1] : static_cast<uint32_t>(carry.transfers.size());
+    for (uint32_t i = plans->first_carry[o]; i < end; ++i) {
+      const BlockRef& d = carry.refs[carry.transfers[i].dst_begin];
+      CHECK(d.rank == o && d.block == static_cast<int32_t>(i - plans->first_carry[o]),
+            name.str() << ": carry " << i << " writes (" << d.rank << ", " << d.block << ")");
+    }
+  }
+  for (const Piece& piece : dots.pieces) {
+    const Transfer& t = dots.transfers[piece.transfer];
+    const int32_t want = t.src_count ? dots.refs[t.src_begin + 1].rank : dots.refs[t.dst_begin].rank;
+    CHECK(piece.executor == want, name.str() << ": a dot run by " << piece.executor << ", want " << want);
+    CHECK(t.src_count == 0 || (piece.col_begin == 0 && piece.col_end == dots.block_bytes),
+          name.str() << ": a lane splits a dot product");
+  }
+
+  // Run as the runtime does.
+  std::vector<std::vector<float>> scratch(n, std::vector<float>(per_rank * hidden, std::nanf(""))),
+      d_ey(n, std::vector<float>(per_rank * hidden, std::nanf(""))), d_w(n, std::vector<float>(pairs, std::nanf("")));
+  auto shared = [&](const Plan* plan) { return std::shared_ptr<const Plan>(plans, plan); };
+  PlanBuffers to_carry, to_scale, to_dot;
+  for (int r = 0; r < n; ++r) {
+    to_carry.in.push_back(ct[r].data());
+    to_carry.out.push_back(scratch[r].data());
+    to_scale.out.push_back(d_ey[r].data());
+    to_dot.in.push_back(ey[r].data());
+    to_dot.out.push_back(d_w[r].data());
+  }
+  std::vector<int32_t> devices(n);
+  for (int r = 0; r < n; ++r) devices[r] = r;
+  std::vector<Phase> phases;
+  if (staged) {
+    for (int r = 0; r < n; ++r) to_scale.scratch.push_back(scratch[r].data()), to_dot.scratch.push_back(scratch[r].data());
+    phases.push_back(PlanPhase(shared(&carry), to_carry, devices, false));
+    phases.push_back(Together(PlanPhase(shared(&scale), to_scale, devices, false),
+                              PlanPhase(shared(&dots), to_dot, devices, false)));
+  } else {
+    to_scale.producer_in = to_dot.producer_in = to_carry.in;
+    phases.push_back(Together(
+        PlanPhase(shared(&scale), to_scale, devices, true, false, shared(&carry), plans->first_carry),
+        PlanPhase(shared(&dots), to_dot, devices, true, false, shared(&carry), plans->first_carry, false)));
+  }
+  for (const Phase& phase : phases)
+    for (uint64_t i = 0; i < phase.count; ++i) phase.run(i);
+
+  int64_t bad_rows = 0, bad_dots = 0;
+  for (int o = 0; o < n; ++o)
+    for (int64_t row = 0; row < per_rank; ++row) {
+      const int32_t src = sources[o][row];
+      for (int64_t j = 0; j < hidden; ++j) {
+        const float want = src < 0 ? 0.0f : w[src / pairs][src % pairs] * ct[src / pairs][(src % pairs) / topk * hidden + j];
+        bad_rows += !(d_ey[o][row * hidden + j] == want);
+      }
+    }
+  for (int r = 0; r < n; ++r)
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int32_t slot = slots[r][i];
+      double exact = 0, bound = 0;
+      for (int64_t j = 0; slot >= 0 && j < hidden; ++j) {
+        const double prod = static_cast<double>(ct[r][i / topk * hidden + j]) * ey[slot / per_rank][(slot % per_rank) * hidden + j];
+        exact += prod;
+        bound += std::fabs(prod);
+      }
+      bad_dots += !(std::fabs(d_w[r][i] - exact) <= bound * hidden * 6e-8 + 1e-30) || (slot < 0 && d_w[r][i] != 0.0f);
+    }
+  CHECK(bad_rows == 0, name.str() << ": " << bad_rows << " elements of d_expert_y differ from w x ct_y");
+  CHECK(bad_dots == 0, name.str() << ": " << bad_dots << " d_weights values off the dot products");
+
+  // Bytes: each (token, owner)'s row crosses once and a value per pair comes
+  // back; every accepted row is scaled where the crossed row landed.
+  const int64_t rb = p.row_bytes();
+  int64_t carried = 0, local = 0;
+  for (const Plan* plan : {&carry, &scale, &dots})
+    for (const ChunkBytes& b : plan->chunk_bytes) carried += b.carried, local += b.local;
+  CHECK(carried == distinct * rb + accepted * 4 && local == accepted * rb,
+        name.str() << ": carried " << carried << " local " << local);
+}
+
+void CheckMoeBackwardPlans(int64_t* plans) {
+  std::mt19937_64 rng(31);
+  for (int n : {1, 2, 3, 8})
+    for (int64_t capacity : {1, 5, 64})
+      for (int64_t topk : {1, 4})
+        for (bool staged : {false, true})
+          for (Planner planner : {Planner::kBalanced, Planner::kNaive})
+            // hidden 3: rows of one 64-byte column; 300: dots cut no lane.
+            for (int64_t hidden : {3, 300}) {
+              CheckMoeBackwardPlan(rng, n, 4 * n, 17, topk, capacity, hidden, planner, staged);
+              ++*plans;
+            }
+  // A slot whose source is another pair: refused, naming the op.
+  MoeOpShape p;
+  p.group_size = 1, p.num_experts = 1, p.capacity = 2, p.tokens = 2, p.topk = 1, p.hidden = 1;
+  const int32_t slots[2] = {0, 1}, swapped[2] = {1, 0};
+  MoeBackwardPlans bad;
+  const Status st = BuildMoeBackwardPlans(p, {slots}, {swapped}, {}, &bad);
+  CHECK(!st.ok && st.message.find("strata.moe.combine (backward)") != std::string::npos &&
+            st.message.find("mixes two dispatches") != std::string::npos,
+        "moe_combine_backward mismatched layout: " << st.message);
+}
+
 void CheckRaggedPlans(int64_t* plans) {
   std::mt19937_64 rng(28);
   CheckRaggedErrors(rng);
@@ -1109,6 +1272,7 @@ int main() {
   CheckRaggedPlans(&plans);
   CheckMoeDispatchPlans(&plans);
   CheckMoeCombinePlans(&plans);
+  CheckMoeBackwardPlans(&plans);
   std::printf("test_plans: %lld plans, %lld checks, %lld failures\n", static_cast<long long>(plans),
               static_cast<long long>(g_checks), static_cast<long long>(g_failures));
   return g_failures == 0 ? 0 : 1;

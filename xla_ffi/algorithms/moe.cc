@@ -17,6 +17,7 @@
 #include "../runtime/registry.h"
 #include "../runtime/rendezvous.h"
 #include "../runtime/stats.h"
+#include "moe_backward_plan.h"
 #include "moe_combine_plan.h"
 #include "moe_plan.h"
 
@@ -67,87 +68,6 @@ constexpr const char* kDispatchName = "strata.moe.dispatch";
 constexpr const char* kCombineName = "strata.moe.combine";
 constexpr const char* kCombineBwdName = "strata.moe.combine (backward)";
 
-constexpr int64_t kTaskBytes = kMoeTaskBytes;  // runtime/moe_shape.h
-
-// ---------------------------------------------------------------------------
-// Row arithmetic. 16-bit rows widen to float32 and round once when stored.
-// ---------------------------------------------------------------------------
-struct Bf16 {
-  uint16_t bits;
-};
-
-template <typename T> struct AccOf { using type = float; };
-template <> struct AccOf<double> { using type = double; };
-
-inline float Widen(float v) { return v; }
-inline double Widen(double v) { return v; }
-inline float Widen(_Float16 v) { return static_cast<float>(v); }
-inline float Widen(Bf16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-template <typename T> inline T Narrow(typename AccOf<T>::type v) { return static_cast<T>(v); }
-// Without a branch (NaN: quieted), so the loops storing rows vectorise.
-template <> inline Bf16 Narrow<Bf16>(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;  // nearest even
-  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
-  const uint32_t is_nan = 0u - static_cast<uint32_t>((bits & 0x7fffffffu) > 0x7f800000u);
-  return Bf16{static_cast<uint16_t>((quiet_nan & is_nan) | (rounded & ~is_nan))};
-}
-
-template <typename T, typename A>
-inline void Scale(T* out, const T* in, A w, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = Narrow<T>(w * Widen(in[i]));
-}
-
-template <typename T, typename A>
-inline A Dot(const T* a, const T* b, int64_t n) {
-  // Independent partial sums so the loop vectorises without reassociation flags.
-  A part[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) part[j] += Widen(a[i + j]) * Widen(b[i + j]);
-  A sum = 0;
-  for (; i < n; ++i) sum += Widen(a[i]) * Widen(b[i]);
-  for (int j = 0; j < 8; ++j) sum += part[j];
-  return sum;
-}
-
-// DeepEP's traffic rule: a token crosses to a rank once, however many of its
-// K experts live there. Of the token's pairs on one rank, the one with the
-// lowest k leads: it carries the row across (combine's backward: ct_y), and
-// the others are served from it on that rank.
-// `slots` are the token's K pair slots (-1: dropped); pair k is kept, on
-// the rank whose slots are `rank` (no division per pair: a 64-bit divide
-// per pair was most of dispatch's time per row).
-struct RankSlots {
-  int64_t first, end;  // [first, end): the global slots of one rank
-  RankSlots(int64_t rank, int64_t slots_per_rank) : first(rank * slots_per_rank), end(first + slots_per_rank) {}
-  bool Holds(int32_t slot) const { return slot >= first && slot < end; }
-};
-inline bool LeadsOnRank(const int32_t* slots, int64_t k, const RankSlots& rank) {
-  for (int64_t j = 0; j < k; ++j)
-    if (rank.Holds(slots[j])) return false;
-  return true;
-}
-
-// Calls fn<T>() with T the element type of `dtype` (float dtypes only).
-template <typename Fn>
-void WithFloatType(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::F32: fn(float{}); break;
-    case DType::F64: fn(double{}); break;
-    case DType::F16: fn(_Float16{}); break;
-    case DType::BF16: fn(Bf16{}); break;
-    default: break;
-  }
-}
-
 Status CheckCall(const char* opname, const MoeParams& p, const MoeCall& c) {
   // The common case first, without a string stream (one was an allocation
   // per rank per op).
@@ -174,47 +94,6 @@ Status CheckCall(const char* opname, const MoeParams& p, const MoeCall& c) {
     return Status::Ok();
   return Status::Error(os.str());
 }
-
-// Splitting the expert side: (rank, local expert, run of rows) per task.
-struct ExpertTasks {
-  int64_t local_experts, capacity, rows_per_task, chunks;
-  ExpertTasks(const MoeParams& p, int64_t bytes_per_row)
-      : local_experts(p.local_experts()), capacity(p.capacity),
-        rows_per_task(std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, bytes_per_row))),
-        chunks((p.capacity + rows_per_task - 1) / rows_per_task) {}
-  uint64_t count(int n) const { return static_cast<uint64_t>(n) * local_experts * chunks; }
-  struct Task {
-    int rank;
-    int64_t first_row, end_row;  // rows of the rank's [E_local * C] slots
-    int64_t chunk;                // index among the rank's tasks: picks its lane
-  };
-  Task at(uint64_t i) const {
-    const int64_t per_rank = local_experts * chunks;
-    const int64_t rank = static_cast<int64_t>(i) / per_rank, rem = static_cast<int64_t>(i) % per_rank;
-    const int64_t l = rem / chunks, ch = rem % chunks;
-    const int64_t r0 = ch * rows_per_task;
-    return {static_cast<int>(rank), l * capacity + r0, l * capacity + std::min(capacity, r0 + rows_per_task), rem};
-  }
-};
-
-// Splitting the token side: (rank, run of tokens) per task.
-struct TokenTasks {
-  int64_t tokens, tokens_per_task, chunks;
-  TokenTasks(const MoeParams& p)
-      : tokens(p.tokens),
-        tokens_per_task(std::max<int64_t>(1, kTaskBytes / std::max<int64_t>(1, p.topk * p.row_bytes()))),
-        chunks((p.tokens + tokens_per_task - 1) / tokens_per_task) {}
-  uint64_t count(int n) const { return static_cast<uint64_t>(n) * chunks; }
-  struct Task {
-    int rank;
-    int64_t first, end, chunk;  // chunk: index among the rank's tasks, picks its lane
-  };
-  Task at(uint64_t i) const {
-    const int64_t rank = static_cast<int64_t>(i) / chunks, ch = static_cast<int64_t>(i) % chunks;
-    const int64_t t0 = ch * tokens_per_task;
-    return {static_cast<int>(rank), t0, std::min(tokens, t0 + tokens_per_task), ch};
-  }
-};
 
 // ---------------------------------------------------------------------------
 // Where peers find a rank's rows. Direct (strata) mode: the user buffers
@@ -318,7 +197,8 @@ class RowBuffers {
       // Registration-on-allocation makes these hits; an XLA temporary is
       // registered on first use and cached, and that miss is counted.
       for (const In& in : ins_)
-        if (in.bytes > 0) GlobalRegistry().LookupOrRegister(device, reinterpret_cast<uintptr_t>(in.user), in.bytes, true);
+        if (in.bytes > 0 && in.user)
+          GlobalRegistry().LookupOrRegister(device, reinterpret_cast<uintptr_t>(in.user), in.bytes, true);
       for (const Out& out : outs_) {
         if (out.bytes <= 0) continue;
         GlobalRegistry().LookupOrRegister(device, reinterpret_cast<uintptr_t>(out.user), out.bytes, false);
@@ -369,6 +249,7 @@ class RowBuffers {
     if (!staged_) return;
     int64_t bytes = 0;
     for (size_t i = 0; i < ins_.size(); ++i) {
+      if (!ins_[i].user) continue;  // a part the op itself fills (comm memory only)
       std::memcpy(in(i), ins_[i].user, ins_[i].bytes);
       bytes += ins_[i].bytes;
     }
@@ -716,15 +597,16 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
 }
 
 namespace {
-// Combine's plans are rebuilt every op; when an op is over its plans come
-// back here and the next op reuses their arrays (fresh ones cost a page
-// fault per 4 KiB written: most of the serial layout step). At most a few
-// are kept, so memory stays flat.
-std::shared_ptr<MoeCombinePlans> AcquireCombinePlans() {
+// Combine's and its backward's plans are rebuilt every op; when an op is
+// over its plans come back here and the next op reuses their arrays (fresh
+// ones cost a page fault per 4 KiB written: most of the serial layout step).
+// At most a few are kept, so memory stays flat.
+template <typename Plans>
+std::shared_ptr<Plans> AcquirePooled() {
   constexpr size_t kKept = 2;
   static std::mutex& mu = *new std::mutex;  // never destroyed: workers may run at exit
-  static auto& pool = *new std::vector<std::unique_ptr<MoeCombinePlans>>;
-  std::unique_ptr<MoeCombinePlans> plans;
+  static auto& pool = *new std::vector<std::unique_ptr<Plans>>;
+  std::unique_ptr<Plans> plans;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!pool.empty()) {
@@ -732,9 +614,9 @@ std::shared_ptr<MoeCombinePlans> AcquireCombinePlans() {
       pool.pop_back();
     }
   }
-  if (!plans) plans = std::make_unique<MoeCombinePlans>();
-  return std::shared_ptr<MoeCombinePlans>(plans.release(), [](MoeCombinePlans* done) {
-    std::unique_ptr<MoeCombinePlans> owned(done);
+  if (!plans) plans = std::make_unique<Plans>();
+  return std::shared_ptr<Plans>(plans.release(), [](Plans* done) {
+    std::unique_ptr<Plans> owned(done);
     std::lock_guard<std::mutex> lock(mu);
     if (pool.size() < kKept) pool.push_back(std::move(owned));
   });
@@ -782,7 +664,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     // sums, its partials on each owner); then, serially, place every share;
     // phase 2, a task per rank: fill its share in (the serial build was most
     // of a small combine's time beside its rows).
-    auto plans = AcquireCombinePlans();
+    auto plans = AcquirePooled<MoeCombinePlans>();
     auto builder = std::make_shared<MoeCombinePlanBuilder>(p, /*stage_all=*/!direct, plans.get());
     Phase count;
     count.count = n;
@@ -851,7 +733,7 @@ namespace {
 // Every kept pair's slot names it as its source, and every filled slot's
 // source pair points back at it. Pointers as published by the backward op.
 std::string CrossCheckLayout(const Slot& s, int n, int64_t pairs, int64_t slots_per_rank) {
-  enum { kPairSlot = 3, kSlotSource = 4 };
+  enum { kPairSlot = 3, kSlotSource = 4 };  // MoeCombineBackwardAsync's
   int64_t kept = 0, filled = 0;
   for (int r = 0; r < n; ++r) {
     const int32_t* pair_slot = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
@@ -896,9 +778,13 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
   const int64_t pairs = p.tokens * p.topk;
   const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
+  // buffer_centric: ct_y and the expert rows are staged in; the rows that
+  // cross land in a third part of the comm buffer (at most one per slot).
+  const bool staged = p.mode == Mode::kBufferCentric;
   auto me = std::make_unique<RankState>(
       kCombineBwdName, p, c.device,
-      std::initializer_list<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}, {weights, pairs * wsize}},
+      std::initializer_list<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb},
+                                            {nullptr, staged ? slots_per_rank * rb : 0}},
       std::initializer_list<RowBuffers::Out>{{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
   me->bad = CheckLayout(kCombineBwdName, p, c, "pair_slot", pair_slot, pairs, all_slots);
   if (me->bad.empty())
@@ -908,14 +794,14 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   if (!st.ok) return done(st);
   GlobalStats().ops++;
 
-  enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };
-  PtrList ptrs = {me->rows.in(0), me->rows.in(1), me->rows.in(2),
+  enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };  // the scratch: rows.in(2)
+  PtrList ptrs = {me->rows.in(0), me->rows.in(1), const_cast<void*>(weights),
                   const_cast<int32_t*>(pair_slot), const_cast<int32_t*>(slot_source),
                   me->rows.out(0), me->rows.out(1)};
   Launch(kCombineBwdName, p, c, std::move(me), std::move(ptrs),  // &p: see dispatch
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;
-    const int64_t h = p.hidden, k_top = p.topk, rb = p.row_bytes(), pairs = p.tokens * p.topk;
+    const int64_t pairs = p.tokens * p.topk;
     const int64_t slots_per_rank = p.local_experts() * p.capacity;
     std::vector<RankState*> ranks = Ranks<RankState>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
@@ -926,79 +812,69 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
       return Status::Ok();
     }
     const bool direct = ranks[0]->rows.direct();
+
+    // Three plans (algorithms/moe_backward_plan.h): ct_y crosses once per
+    // (token, rank), then the owners scale it into every row of the token
+    // and take its dot with each of the token's expert rows there, one
+    // value back per pair. Built and partitioned by one task, then run.
+    auto plans = AcquirePooled<MoeBackwardPlans>();
+    Phase build;
+    build.count = 1;
+    build.run = [p = static_cast<const MoeOpShape&>(p), plans, ranks, ptrs = PtrTable(s), n](uint64_t) {
+      std::vector<const int32_t*> pair_slot(n), slot_source(n);
+      std::vector<const void*> weights(n);
+      for (int r = 0; r < n; ++r) {
+        pair_slot[r] = static_cast<const int32_t*>(ptrs[r][kPairSlot]);
+        slot_source[r] = static_cast<const int32_t*>(ptrs[r][kSlotSource]);
+        weights[r] = ptrs[r][kW];
+      }
+      const Status st = BuildMoeBackwardPlans(p, pair_slot, slot_source, weights, plans.get());
+      if (!st.ok) {
+        for (RankState* r : ranks) r->error = st.message;
+        return;
+      }
+      PartitionMoeBackwardPlans(p, plans.get());
+    };
+    build.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices, direct](Job* more) {
+      if (!ranks[0]->error.empty()) return;
+      const int n = static_cast<int>(ranks.size());
+      std::shared_ptr<const Plan> carry(plans, &plans->carry), scale(plans, &plans->scale),
+          dots(plans, &plans->dots);
+      PlanBuffers to_scale, to_dot;
+      for (int r = 0; r < n; ++r) {
+        to_scale.out.push_back(ptrs[r][kDEy]);
+        to_dot.in.push_back(ptrs[r][kEy]);
+        to_dot.out.push_back(ptrs[r][kDW]);
+      }
+      if (direct) {
+        // One pass on the owners: each carried row is read where it comes
+        // from (the carry fused into both readers; its lanes credited once).
+        for (int r = 0; r < n; ++r) to_scale.producer_in.push_back(ptrs[r][kCt]);
+        to_dot.producer_in = to_scale.producer_in;
+        more->phases.push_back(Together(
+            PlanPhase(scale, to_scale, devices, true, false, carry, plans->first_carry),
+            PlanPhase(dots, to_dot, devices, true, false, carry, plans->first_carry, /*credit_producer=*/false)));
+        return;
+      }
+      // buffer_centric: the carry crosses between comm buffers (staged ct_y
+      // into the owners' third part), the owners work there, and every
+      // rank's results are copied out.
+      PlanBuffers to_carry;
+      for (int r = 0; r < n; ++r) {
+        to_carry.in.push_back(ptrs[r][kCt]);
+        void* scratch = ranks[r]->rows.in(2);
+        to_carry.out.push_back(scratch);
+        to_scale.scratch.push_back(scratch);
+        to_dot.scratch.push_back(scratch);
+      }
+      more->phases.push_back(PlanPhase(carry, to_carry, devices, false));
+      more->phases.push_back(Together(PlanPhase(scale, to_scale, devices, false),
+                                      PlanPhase(dots, to_dot, devices, false)));
+      more->phases.push_back(StagePhase(ranks, /*in=*/false));
+    };
     std::vector<Phase> phases;
     if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
-
-    // Two independent task families in one phase. Expert rows: ct_y[t]
-    // crosses once per (token, rank), to the row of the pair that leads the
-    // token there; that row's task then serves every pair of t on the rank:
-    // d_expert_y = w * ct_y for its row and d_weights = <ct_y, expert row>
-    // computed there, only the scalar going back. Token tasks zero the
-    // d_weights of dropped pairs. Each output element has one writer.
-    Phase backward;
-    const ExpertTasks rows_tasks(p, rb);
-    const TokenTasks token_tasks(p);
-    const uint64_t first_token_task = rows_tasks.count(n);
-    backward.count = first_token_task + token_tasks.count(n);
-    const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
-    WithFloatType(p.dtype, [&](auto tag) {
-      using T = decltype(tag);
-      using A = typename AccOf<T>::type;
-      backward.run = [p, rows_tasks, token_tasks, first_token_task, ptrs = PtrTable(s),
-                      devices = s.devices, h, k_top, rb, slots_per_rank, pairs, wsize,
-                      direct](uint64_t i) {
-        int64_t crossed = 0, local = 0, touched = 0;
-        int npu = 0, lane = 0;
-        if (i < first_token_task) {
-          const ExpertTasks::Task task = rows_tasks.at(i);
-          const RankSlots mine(task.rank, slots_per_rank);
-          T* d_ey = static_cast<T*>(ptrs[task.rank][kDEy]);
-          const T* ey = static_cast<const T*>(ptrs[task.rank][kEy]);
-          const int32_t* sources = static_cast<const int32_t*>(ptrs[task.rank][kSlotSource]);
-          for (int64_t row = task.first_row; row < task.end_row; ++row) {
-            const int32_t src = sources[row];
-            if (src < 0) {
-              std::fill(d_ey + row * h, d_ey + (row + 1) * h, Narrow<T>(A(0)));
-              touched += rb;
-              continue;
-            }
-            const int64_t src_rank = src / pairs, pair = src % pairs, token = pair / k_top, k = pair % k_top;
-            const int32_t* token_slots = static_cast<const int32_t*>(ptrs[src_rank][kPairSlot]) + token * k_top;
-            if (!LeadsOnRank(token_slots, k, mine)) continue;  // served by its lead
-            const T* ct = static_cast<const T*>(ptrs[src_rank][kCt]) + token * h;
-            const A* w = static_cast<const A*>(ptrs[src_rank][kW]) + token * k_top;
-            A* dw = static_cast<A*>(ptrs[src_rank][kDW]) + token * k_top;
-            crossed += rb;
-            for (int64_t j = k; j < k_top; ++j) {
-              const int32_t slot = token_slots[j];
-              if (!mine.Holds(slot)) continue;
-              const int64_t r = slot - mine.first;
-              Scale(d_ey + r * h, ct, w[j], h);
-              dw[j] = Dot<T, A>(ct, ey + r * h, h);
-              crossed += wsize;
-              if (j > k) local += rb;  // the received ct_y row, reused
-              touched += 4 * rb;
-            }
-          }
-          npu = devices[task.rank];
-          lane = static_cast<int>(task.chunk % p.cores);
-        } else {
-          const TokenTasks::Task task = token_tasks.at(i - first_token_task);
-          const int32_t* slots = static_cast<const int32_t*>(ptrs[task.rank][kPairSlot]);
-          A* dw = static_cast<A*>(ptrs[task.rank][kDW]);
-          for (int64_t pair = task.first * k_top; pair < task.end * k_top; ++pair)
-            if (slots[pair] < 0) dw[pair] = 0;
-          npu = devices[task.rank];
-          lane = static_cast<int>(task.chunk % p.cores);
-        }
-        Stats& stats = GlobalStats();
-        if (touched > 0) stats.AddLaneBytes(false, npu, lane, p.cores, touched);
-        stats.AddExchanged(crossed, direct);
-        stats.AddLocal(local);
-      };
-    });
-    phases.push_back(std::move(backward));
-    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
+    phases.push_back(std::move(build));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "../algorithms/moe.h"
+#include "../algorithms/moe_backward_plan.h"
 #include "../algorithms/moe_combine_plan.h"
 #include "../algorithms/moe_plan.h"
 #include "../algorithms/op_registry.h"
@@ -194,35 +195,17 @@ std::vector<std::vector<int32_t>> Rows(const I32Matrix& a) {
   return out;
 }
 
-MoeShape ToShape(int ranks, int experts, int64_t tokens, int64_t topk, int64_t capacity,
-                 int64_t row_bytes, int64_t weight_bytes, int cores, int engines, bool buffer_centric,
-                 int64_t comm_buffer_bytes) {
-  if (ranks < 1 || experts < 1 || tokens < 0 || topk < 1 || capacity < 1 || cores < 1 || engines < 1)
-    throw std::invalid_argument("MoE shape: counts must be positive");
-  MoeShape s;
-  s.ranks = ranks;
-  s.experts = experts;
-  s.tokens = tokens;
-  s.topk = topk;
-  s.capacity = capacity;
-  s.row_bytes = row_bytes;
-  s.weight_bytes = weight_bytes;
-  s.cores = cores;
-  s.engines = engines;
-  s.buffer_centric = buffer_centric;
-  s.comm_buffer_bytes = comm_buffer_bytes;
-  return s;
-}
-
 nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, int64_t capacity,
                   int64_t row_bytes, int64_t weight_bytes, int cores, int engines, bool buffer_centric,
                   int64_t comm_buffer_bytes, I32Matrix pair_slot, nb::dict machine,
                   std::vector<int32_t> rank_npu, bool keep_slices, int dtype, int planner) {
   if (planner < 0 || planner >= kPlannerCount) throw std::invalid_argument("unknown planner code");
-  const MoeShape s = ToShape(ranks, experts, tokens, topk, capacity, row_bytes, weight_bytes, cores,
-                             engines, buffer_centric, comm_buffer_bytes);
+  if (ranks < 1 || experts < 1 || tokens < 0 || topk < 1 || capacity < 1 || cores < 1 || engines < 1)
+    throw std::invalid_argument("MoE shape: counts must be positive");
+  if (experts % ranks != 0) throw std::invalid_argument("num_experts must be a multiple of the ranks");
   if (static_cast<int>(pair_slot.shape(0)) != ranks || static_cast<int64_t>(pair_slot.shape(1)) != tokens * topk)
     throw std::invalid_argument("pair_slot must be [ranks, tokens * top_k]");
+  if (op < 0 || op > 2) throw std::invalid_argument("MoE op: 0 dispatch, 1 combine, 2 combine backward");
   const Machine m = ToMachine(machine);
   CheckPlacement(rank_npu, ranks);
   auto slots = Rows(pair_slot);
@@ -230,38 +213,52 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
   Result r;
   {
     nb::gil_scoped_release release;
-    if (op == 0 || op == 1) {
-      // Dispatch and combine: the plans the runtime executes, from the same
-      // slots (algorithms/moe_plan.h, moe_combine_plan.h), timed as it runs them.
-      MoeOpShape shape;
-      shape.group_size = ranks;
-      shape.num_experts = experts;
-      shape.capacity = capacity;
-      shape.tokens = tokens;
-      shape.topk = topk;
-      shape.dtype = static_cast<DType>(dtype);
-      shape.hidden = row_bytes / static_cast<int64_t>(DTypeSize(shape.dtype));
-      shape.cores = cores;
-      shape.engines = engines;
-      shape.mode = buffer_centric ? Mode::kBufferCentric : Mode::kStrata;
-      shape.planner = static_cast<Planner>(planner);
-      shape.comm_buffer_bytes = comm_buffer_bytes;
-      std::vector<const int32_t*> rank_slots(ranks);
-      for (int r = 0; r < ranks; ++r) rank_slots[r] = slots[r].data();
-      if (op == 0) {
-        Plan plan;
-        const Status st = BuildMoeDispatchPlan(shape, rank_slots, &plan);
-        if (!st.ok) throw std::invalid_argument(st.message);  // the GIL is retaken on the way out
-        prog = PlanProgram(std::move(plan), MoeDispatchRunParams(shape), m);
-      } else {
-        MoeCombinePlans plans;
-        const Status st = BuildMoeCombinePlans(shape, rank_slots, {}, buffer_centric, &plans);
-        if (!st.ok) throw std::invalid_argument(st.message);
-        prog = MoeCombineProgram(std::move(plans.partials), std::move(plans.sums), shape, m);
-      }
+    // Every op from the plans the runtime executes, built from the same
+    // slots (algorithms/moe_plan.h, moe_combine_plan.h, moe_backward_plan.h)
+    // and timed as it runs them.
+    MoeOpShape shape;
+    shape.group_size = ranks;
+    shape.num_experts = experts;
+    shape.capacity = capacity;
+    shape.tokens = tokens;
+    shape.topk = topk;
+    shape.dtype = static_cast<DType>(dtype);
+    shape.hidden = row_bytes / static_cast<int64_t>(DTypeSize(shape.dtype));
+    shape.cores = cores;
+    shape.engines = engines;
+    shape.mode = buffer_centric ? Mode::kBufferCentric : Mode::kStrata;
+    shape.planner = static_cast<Planner>(planner);
+    shape.comm_buffer_bytes = comm_buffer_bytes;
+    std::vector<const int32_t*> rank_slots(ranks);
+    for (int rank = 0; rank < ranks; ++rank) rank_slots[rank] = slots[rank].data();
+    if (op == 0) {
+      Plan plan;
+      const Status st = BuildMoeDispatchPlan(shape, rank_slots, &plan);
+      if (!st.ok) throw std::invalid_argument(st.message);  // the GIL is retaken on the way out
+      prog = PlanProgram(std::move(plan), MoeDispatchRunParams(shape), m);
+    } else if (op == 1) {
+      MoeCombinePlans plans;
+      const Status st = BuildMoeCombinePlans(shape, rank_slots, {}, buffer_centric, &plans);
+      if (!st.ok) throw std::invalid_argument(st.message);
+      prog = MoeCombineProgram(std::move(plans.partials), std::move(plans.sums), shape, m);
     } else {
-      if (op != 2) throw std::invalid_argument("MoE op: 0 dispatch, 1 combine, 2 combine backward");
-      prog = MoeCombineBackwardProgram(s, slots, m);
+      // The dispatch's other field, slot_source, from its pair_slot.
+      const int64_t pairs = tokens * topk, per_rank = experts / ranks * capacity;
+      std::vector<std::vector<int32_t>> sources(ranks, std::vector<int32_t>(per_rank, -1));
+      for (int rank = 0; rank < ranks; ++rank)
+        for (int64_t i = 0; i < pairs; ++i) {
+          const int32_t slot = slots[rank][i];
+          if (slot == -1) continue;
+          if (slot < -1 || slot >= ranks * per_rank) throw std::invalid_argument("pair_slot outside the experts' capacity");
+          sources[slot / per_rank][slot % per_rank] = static_cast<int32_t>(rank * pairs + i);
+        }
+      std::vector<const int32_t*> rank_sources(ranks);
+      for (int rank = 0; rank < ranks; ++rank) rank_sources[rank] = sources[rank].data();
+      MoeBackwardPlans plans;
+      const Status st = BuildMoeBackwardPlans(shape, rank_slots, rank_sources, {}, &plans);
+      if (!st.ok) throw std::invalid_argument(st.message);
+      PartitionMoeBackwardPlans(shape, &plans, m.sdma_descriptor_us, m.sdma_gbps);
+      prog = MoeCombineBackwardProgram(std::move(plans.carry), std::move(plans.scale), std::move(plans.dots), shape, m);
     }
     if (!rank_npu.empty()) prog.rank_npu = std::move(rank_npu);
     r = Simulate(prog, m, keep_slices);

@@ -208,7 +208,7 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
         // on one strided copy).
         const Transfer& tr = phase.plan->transfers[p.transfer];
         legs = tr.src_count + tr.dst_count;
-        moved = p.bytes * legs;
+        moved = phase.plan->PieceBytes(tr, p.bytes);  // a dot plan writes one value per row
         msgs = p.bytes > 0 ? legs : 0;
       } else {
         for (uint32_t k = p.io_begin; k < p.io_end; ++k) {
@@ -286,7 +286,8 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
       if (piece.transfer >= 0) {
         const Transfer& tr = phase.plan->transfers[piece.transfer];
         for (uint32_t k = 0; k < tr.src_count; ++k) visit(phase.plan->refs[tr.src_begin + k].rank, false, piece.bytes);
-        for (uint32_t k = 0; k < tr.dst_count; ++k) visit(phase.plan->refs[tr.dst_begin + k].rank, true, piece.bytes);
+        for (uint32_t k = 0; k < tr.dst_count; ++k)
+          visit(phase.plan->refs[tr.dst_begin + k].rank, true, phase.plan->OutBytes(piece.bytes));
       } else {
         for (uint32_t k = piece.io_begin; k < piece.io_end; ++k) visit(phase.io[k].rank, phase.io[k].write != 0, phase.io[k].bytes);
       }
@@ -569,129 +570,46 @@ std::vector<std::vector<int32_t>> MoePairSlots(const MoeShape& s,
   return slots;
 }
 
-Program MoeCombineBackwardProgram(const MoeShape& s, const std::vector<std::vector<int32_t>>& pair_slot,
-                                  const Machine& m) {
-  const int n = s.ranks;
-  if (n < 1 || s.experts % n != 0) throw std::invalid_argument("num_experts must be a multiple of the ranks");
-  if (static_cast<int>(pair_slot.size()) != n) throw std::invalid_argument("one routing per rank");
-  const int64_t el = s.experts / n, cap = s.capacity, slots_per_rank = el * cap;
-  const int64_t rb = s.row_bytes, pairs = s.tokens * s.topk, wb = s.weight_bytes;
+Program MoeCombineBackwardProgram(Plan carry, Plan scale, Plan dots, const MoeOpShape& p, const Machine& m) {
+  const bool staged = p.mode == Mode::kBufferCentric;
+  const int64_t rb = p.row_bytes(), slots = p.local_experts() * p.capacity;
+  const int64_t weight_bytes = dots.OutBlockBytes();
+  // What each rank stages in (ct_y, its expert rows; the carried rows land
+  // in a third part) and out (d_expert_y, d_weights), as algorithms/moe.cc.
+  const int64_t in_bytes = p.tokens * rb + slots * rb, out_bytes = slots * rb + p.tokens * p.topk * weight_bytes;
+  if (staged && (in_bytes + slots * rb > p.comm_buffer_bytes || out_bytes > p.comm_buffer_bytes))
+    throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
   Program prog;
-  prog.num_ranks = n;
-  prog.cores = s.cores;
-  prog.engines = s.engines;
-  prog.sync_end = !s.buffer_centric;
-
-  // The expert side: which (rank, token) filled each slot of each rank, and
-  // how many of the token's pairs on that rank the slot serves: the pair with
-  // the lowest k leads the token there (DeepEP's rule, as the runtime's
-  // LeadsOnRank) and serves them all; the others serve 0. Only leads cross.
-  std::vector<std::vector<int64_t>> source(n, std::vector<int64_t>(slots_per_rank, -1));
-  std::vector<std::vector<int32_t>> serves(n, std::vector<int32_t>(slots_per_rank, 0));
-  for (int r = 0; r < n; ++r) {
-    if (static_cast<int64_t>(pair_slot[r].size()) != pairs) throw std::invalid_argument("routing has the wrong size");
-    for (int64_t i = 0; i < pairs; ++i) {
-      const int32_t slot = pair_slot[r][i];
-      if (slot < 0) continue;
-      if (slot >= n * slots_per_rank) throw std::invalid_argument("slot outside the experts' capacity");
-      const int64_t owner = slot / slots_per_rank, first = i - i % s.topk;
-      source[owner][slot % slots_per_rank] = static_cast<int64_t>(r) * s.tokens + i / s.topk;
-      int64_t lead = i;
-      for (int64_t j = first; j < i; ++j)
-        if (pair_slot[r][j] >= 0 && pair_slot[r][j] / slots_per_rank == owner) {
-          lead = j;
-          break;
-        }
-      serves[owner][pair_slot[r][lead] % slots_per_rank]++;
-    }
-  }
-
-  // Scratch: bytes and messages (rows of a peer are not contiguous there)
-  // per rank inside one task, read and written.
-  std::vector<int64_t> read_bytes(n, 0), read_msgs(n, 0), write_bytes(n, 0), write_msgs(n, 0);
-  std::vector<int> peers;
-  auto touch = [&](int r) {
-    if (read_bytes[r] == 0 && write_bytes[r] == 0) peers.push_back(r);
-  };
-  auto read = [&](int r, int64_t bytes) {
-    touch(r);
-    read_bytes[r] += bytes;
-    read_msgs[r] += 1;
-  };
-  // A write that lands the row a read fetched is part of that message
-  // (msgs 0); a task's own rows are written as one more message.
-  auto write = [&](int r, int64_t bytes, int64_t msgs = 0) {
-    touch(r);
-    write_bytes[r] += bytes;
-    write_msgs[r] += msgs;
-  };
-  auto flush = [&](ModelPhase& ph, ModelPiece& piece) {
-    for (int r : peers) {
-      if (read_bytes[r] > 0) ph.io.push_back({r, 0, read_bytes[r], read_msgs[r]});
-      if (write_bytes[r] > 0) ph.io.push_back({r, 1, write_bytes[r], std::max<int64_t>(1, write_msgs[r])});
-      read_bytes[r] = read_msgs[r] = write_bytes[r] = write_msgs[r] = 0;
-    }
-    peers.clear();
-    piece.io_end = static_cast<uint32_t>(ph.io.size());
-    if (piece.io_end > piece.io_begin) ph.pieces.push_back(piece);
-  };
-
-  // The runtime's expert-row tasks (rows of one local expert, about
-  // kMoeTaskBytes each, lane = task % cores). ct_y crosses to a lead row
-  // once (with the weights of the token's pairs there); the lead serves
-  // every pair of the token on the rank: w * ct_y into its row, and
-  // <ct_y, expert row> computed there, the scalar written back. Empty rows
-  // are zeroed.
-  ModelPhase ex;
-  ex.kind = kExchange;
-  ex.lanes = kCore;
-  ex.reduce = true;
-  ex.sync_before = true;
-  const int64_t rows_per_task = std::max<int64_t>(1, kMoeTaskBytes / std::max<int64_t>(1, rb));
-  const int64_t chunks = (cap + rows_per_task - 1) / rows_per_task;
-  for (int o = 0; o < n; ++o)
-    for (int64_t l = 0; l < el; ++l)
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        ModelPiece piece;
-        piece.rank = o;
-        piece.lane = static_cast<int32_t>((l * chunks + ch) % s.cores);
-        piece.io_begin = static_cast<uint32_t>(ex.io.size());
-        const int64_t r0 = ch * rows_per_task, r1 = std::min(cap, r0 + rows_per_task);
-        for (int64_t row = l * cap + r0; row < l * cap + r1; ++row) {
-          if (source[o][row] < 0) {
-            write(o, rb);
-            continue;
-          }
-          const int src = static_cast<int>(source[o][row] / s.tokens);
-          const int32_t served = serves[o][row];
-          if (served == 0) continue;
-          read(src, rb + served * wb);
-          for (int32_t f = 0; f < served; ++f) {
-            read(o, rb);
-            write(o, rb);
-          }
-          write(src, served * wb, 1);
-        }
-        flush(ex, piece);
-      }
-  const int64_t in_bytes = s.tokens * rb + slots_per_rank * rb + pairs * wb;
-  const int64_t out_bytes = slots_per_rank * rb + pairs * wb;
-  if (s.buffer_centric) {
-    if (in_bytes > s.comm_buffer_bytes || out_bytes > s.comm_buffer_bytes)
-      throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
+  prog.num_ranks = p.group_size;
+  prog.cores = p.cores;
+  prog.engines = p.engines;
+  prog.sync_end = !staged;
+  prog.plans.reserve(3);  // phases point into it: never grows past this
+  prog.plans.push_back(std::move(carry));
+  prog.plans.push_back(std::move(scale));
+  prog.plans.push_back(std::move(dots));
+  if (staged) {
     ModelPhase in;
     in.kind = kStageIn;
     in.lanes = kCore;
-    for (int r = 0; r < n; ++r) AddLocalCopies(in, r, in_bytes, s.cores);
+    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(in, r, in_bytes, p.cores);
     prog.phases.push_back(std::move(in));
   }
-  prog.phases.push_back(std::move(ex));
-  if (s.buffer_centric) {
+  // The owners pull their carried rows, then scale them and take the dots
+  // from their own memory (no sync between: each owner waits only for its
+  // own pulls); the values land on the tokens' ranks.
+  prog.phases.push_back(ExchangeOf(prog.plans[0], 1, prog.plans[0].on_sdma ? kSdma : kCore));
+  for (int i : {1, 2}) {
+    ModelPhase ph = ExchangeOf(prog.plans[i], 1, kCore);
+    ph.sync_before = false;
+    prog.phases.push_back(std::move(ph));
+  }
+  if (staged) {
     ModelPhase out;
     out.kind = kStageOut;
     out.lanes = kCore;
-    out.sync_before = true;
-    for (int r = 0; r < n; ++r) AddLocalCopies(out, r, out_bytes, s.cores);
+    out.sync_before = true;  // every peer's writes into this rank's buffer are in
+    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, out_bytes, p.cores);
     prog.phases.push_back(std::move(out));
   }
   return prog;

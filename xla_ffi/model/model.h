@@ -154,20 +154,19 @@ Program PlanProgram(Plan plan, const OpParams& p, const Machine& m);
 // between comm buffers, then each rank's y is copied out.
 Program MoeCombineProgram(Plan partials, Plan sums, const MoeOpShape& p, const Machine& m);
 
-// MoE. pair_slot[rank][t*K+k] = e*capacity + row, or -1 (dropped), as the
-// runtime computes it (moe.h).
-struct MoeShape {
-  int32_t ranks = 1, experts = 1, cores = 48, engines = 16;
-  int64_t tokens = 0, topk = 1, capacity = 1, row_bytes = 0, weight_bytes = 4;
-  bool buffer_centric = false;
-  int64_t comm_buffer_bytes = 200 << 20;
-};
-// Combine's backward as the runtime's own tasks run it (algorithms/moe.cc:
-// not a plan yet, issue 28), described here by hand: the one MoE op the
-// model does not time from the runtime's plan.
-Program MoeCombineBackwardProgram(const MoeShape& s, const std::vector<std::vector<int32_t>>& pair_slot,
-                                  const Machine& m);
+// Combine's backward from its three plans (algorithms/moe_backward_plan.h,
+// partitioned by PartitionMoeBackwardPlans with this machine's figures), as
+// the runtime runs them: the owners pull the carried ct_y rows, then scale
+// them into d_expert_y and take the dots into d_weights; buffer_centric
+// stages ct_y and the expert rows in and both results out.
+Program MoeCombineBackwardProgram(Plan carry, Plan scale, Plan dots, const MoeOpShape& p, const Machine& m);
 
+// MoE routing, for MoePairSlots. pair_slot[rank][t*K+k] = e*capacity + row,
+// or -1 (dropped), as the runtime computes it (moe.h).
+struct MoeShape {
+  int32_t ranks = 1, experts = 1;
+  int64_t capacity = 1;
+};
 // The runtime's slot assignment from every rank's routing (ranks in order,
 // tokens in order, k in order; full experts drop the pair).
 std::vector<std::vector<int32_t>> MoePairSlots(const MoeShape& s,

@@ -222,9 +222,11 @@ struct View {
   std::vector<const char*> scratch;
   // When set, a scratch block is computed from the transfer of `producer`
   // that writes it (block j of rank r: transfer producer_first[r] + j), as
-  // it is read, instead of being read (PlanPhase's fused producer).
+  // it is read, instead of being read (PlanPhase's fused producer), from
+  // the producer's inputs `producer_in` (row stride in_row_stride).
   const Plan* producer = nullptr;
   const uint32_t* producer_first = nullptr;
+  std::vector<const char*> producer_in;
 };
 
 // A copy of a few bytes: an all_to_all of 1 KB per rank over 384 ranks is
@@ -272,6 +274,21 @@ double* SumScratch(int64_t n, int count) {
   return scratch.data();
 }
 
+// Where columns [c0, ...) of source ref `b` of `plan` are in row `row`: its
+// input, its scratch, or, when a fused producer writes that scratch block
+// by a copy, the copy's source. nullptr: a weighted producer computes it
+// (AddProduced).
+inline const char* SourceAt(const Plan& plan, const BlockRef& b, int64_t row, int64_t c0, const View& v) {
+  const int64_t at = row * v.in_row_stride + c0;
+  if (b.block < plan.in_blocks) return v.in[b.rank] + at + b.block * v.block_stride;
+  const int64_t j = b.block - plan.in_blocks;
+  if (!v.producer) return v.scratch[b.rank] + at + j * v.block_stride;
+  if (v.producer->weighted) return nullptr;
+  const Transfer& pt = v.producer->transfers[v.producer_first[b.rank] + j];
+  const BlockRef& s = v.producer->refs[pt.src_begin];
+  return v.producer_in[s.rank] + at + s.block * v.block_stride;
+}
+
 // acc += weight x (the sum producer transfer `pt` writes, rounded to dtype),
 // columns [c0, c0 + n elements) of row `row`: the producer's work fused into
 // its reader's. With weight 1 the last source's product, the rounding and
@@ -283,7 +300,7 @@ void AddProduced(const Plan& producer, const Transfer& pt, int64_t row, int64_t 
   const size_t acc_size = dtype == DType::F64 ? 8 : 4;
   auto source = [&](uint32_t k) {
     const BlockRef& b = producer.refs[pt.src_begin + k];
-    return v.in[b.rank] + row * v.in_row_stride + b.block * v.block_stride + c0;
+    return v.producer_in[b.rank] + row * v.in_row_stride + b.block * v.block_stride + c0;
   };
   if (pt.src_count == 0) return;  // a sum of nothing adds zeros
   if (producer.local_sums && pt.src_count == 1 && producer.weights[pt.src_begin] == 1.0) {
@@ -318,17 +335,15 @@ void PrefetchSources(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1
   };
   for (uint32_t k = 0; k < t.src_count; ++k) {
     const BlockRef& b = plan.refs[t.src_begin + k];
-    if (b.block < plan.in_blocks) {
-      fetch(v.in[b.rank] + b.block * v.block_stride);
-    } else if (v.producer) {
-      const Plan& p = *v.producer;
-      const Transfer& pt = p.transfers[v.producer_first[b.rank] + (b.block - plan.in_blocks)];
-      for (uint32_t j = 0; j < pt.src_count; ++j) {
-        const BlockRef& s = p.refs[pt.src_begin + j];
-        fetch(v.in[s.rank] + s.block * v.block_stride);
-      }
-    } else {
-      fetch(v.scratch[b.rank] + (b.block - plan.in_blocks) * v.block_stride);
+    if (const char* at = SourceAt(plan, b, 0, 0, v)) {
+      fetch(at);
+      continue;
+    }
+    const Plan& p = *v.producer;
+    const Transfer& pt = p.transfers[v.producer_first[b.rank] + (b.block - plan.in_blocks)];
+    for (uint32_t j = 0; j < pt.src_count; ++j) {
+      const BlockRef& s = p.refs[pt.src_begin + j];
+      fetch(v.producer_in[s.rank] + s.block * v.block_stride);
     }
   }
 }
@@ -343,20 +358,15 @@ void RunWeighted(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, co
       const BlockRef& b = plan.refs[t.dst_begin + k];
       return v.out[b.rank] + row * v.out_row_stride + b.block * v.block_stride + c0;
     };
-    auto source = [&](uint32_t k) -> const char* {
-      const BlockRef& b = plan.refs[t.src_begin + k];
-      if (b.block < plan.in_blocks) return v.in[b.rank] + row * v.in_row_stride + b.block * v.block_stride + c0;
-      return v.scratch[b.rank] + row * v.in_row_stride + (b.block - plan.in_blocks) * v.block_stride + c0;
-    };
     if (t.src_count == 0) {
       for (uint32_t k = 0; k < t.dst_count; ++k) std::memset(dst(k), 0, c1 - c0);
       continue;
     }
-    const BlockRef& first = plan.refs[t.src_begin];
-    if (plan.local_sums && t.src_count == 1 && plan.weights[t.src_begin] == 1.0 &&
-        (first.block < plan.in_blocks || !v.producer)) {
-      for (uint32_t k = 0; k < t.dst_count; ++k) std::memcpy(dst(k), source(0), c1 - c0);
-      continue;
+    if (plan.local_sums && t.src_count == 1 && plan.weights[t.src_begin] == 1.0) {
+      if (const char* only = SourceAt(plan, plan.refs[t.src_begin], row, c0, v)) {
+        for (uint32_t k = 0; k < t.dst_count; ++k) std::memcpy(dst(k), only, c1 - c0);
+        continue;
+      }
     }
     double* const scratch = SumScratch(n, 3);
     void* const acc = scratch;
@@ -364,19 +374,76 @@ void RunWeighted(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, co
     for (uint32_t k = 0; k < t.src_count; ++k) {
       const BlockRef& b = plan.refs[t.src_begin + k];
       const double w = plan.weights[t.src_begin + k];
-      if (b.block >= plan.in_blocks && v.producer) {
+      if (const char* at = SourceAt(plan, b, row, c0, v)) {
+        AxpyRow(dtype, acc, at, w, n);
+      } else {
         const Transfer& pt = v.producer->transfers[v.producer_first[b.rank] + (b.block - plan.in_blocks)];
         AddProduced(*v.producer, pt, row, c0, n, w, v, acc, scratch + n, scratch + 2 * n);
-      } else {
-        AxpyRow(dtype, acc, source(k), w, n);
       }
     }
     for (uint32_t k = 0; k < t.dst_count; ++k) StoreSum(dtype, dst(k), acc, n);
   }
 }
 
+// Row arithmetic of a dot: 16-bit values widen to float32 (exactly).
+inline float Widen(float x) { return x; }
+inline double Widen(double x) { return x; }
+inline float Widen(_Float16 x) { return static_cast<float>(x); }
+inline float Widen(uint16_t bf16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// sum_i a[i] x b[i] in the accumulation type A, in eight interleaved partial
+// sums (lane j takes i = j mod 8; so the loop vectorises without
+// reassociation), then the tail, then the partials in order.
+template <typename T, typename A>
+A DotRow(const void* a_bytes, const void* b_bytes, int64_t n) {
+  const T* a = static_cast<const T*>(a_bytes);
+  const T* b = static_cast<const T*>(b_bytes);
+  A part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) part[j] += static_cast<A>(Widen(a[i + j])) * static_cast<A>(Widen(b[i + j]));
+  A sum = 0;
+  for (; i < n; ++i) sum += static_cast<A>(Widen(a[i])) * static_cast<A>(Widen(b[i]));
+  for (int j = 0; j < 8; ++j) sum += part[j];
+  return sum;
+}
+
+// Columns [c0, c1) of one transfer of a dot plan, every row: whole products
+// (Partition keeps them on one lane), or a run of zeroed values.
+void RunDot(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, const View& v) {
+  const int64_t value = plan.OutBlockBytes(), first = c0 / plan.block_bytes;
+  for (int64_t row = 0; row < v.rows; ++row) {
+    auto dst = [&](uint32_t k) {
+      const BlockRef& b = plan.refs[t.dst_begin + k];
+      return v.out[b.rank] + row * v.out_row_stride + (b.block + first) * value;
+    };
+    if (t.src_count == 0) {
+      for (uint32_t k = 0; k < t.dst_count; ++k) std::memset(dst(k), 0, plan.OutBytes(c1 - c0));
+      continue;
+    }
+    const char* a = SourceAt(plan, plan.refs[t.src_begin], row, c0, v);
+    const char* b = SourceAt(plan, plan.refs[t.src_begin + 1], row, c0, v);
+    const int64_t n = (c1 - c0) / static_cast<int64_t>(DTypeSize(plan.dtype));
+    double f64 = 0;
+    float f32 = 0;
+    switch (plan.dtype) {
+      case DType::F64: f64 = DotRow<double, double>(a, b, n); break;
+      case DType::F32: f32 = DotRow<float, float>(a, b, n); break;
+      case DType::F16: f32 = DotRow<_Float16, float>(a, b, n); break;
+      case DType::BF16: f32 = DotRow<uint16_t, float>(a, b, n); break;
+      default: break;
+    }
+    for (uint32_t k = 0; k < t.dst_count; ++k) std::memcpy(dst(k), value == 8 ? static_cast<const void*>(&f64) : &f32, value);
+  }
+}
+
 // Moves columns [c0, c1) of one transfer, every row.
 void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
+  if (plan.dot) return RunDot(plan, plan.transfers[transfer], c0, c1, v);
   if (plan.weighted) return RunWeighted(plan, plan.transfers[transfer], c0, c1, v);
   const Transfer& one = plan.transfers[transfer];
   if (one.src_count == 1 && one.dst_count == 1 && !plan.is_reduction()) {
@@ -479,7 +546,7 @@ void RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::vecto
       const Transfer& t = plan.transfers[piece.transfer];
       const int64_t c0 = piece.col_begin, c1 = piece.col_end;
       if (c1 <= c0) continue;
-      touched += (c1 - c0) * (t.src_count + t.dst_count) * v.rows;
+      touched += plan.PieceBytes(t, c1 - c0) * v.rows;
       if (piece.transfer == run_transfer && c0 == run_c1 && run_c1 > run_c0) {
         run_c1 = c1;  // the next lane's range continues the run
         continue;
@@ -487,7 +554,7 @@ void RunPieces(const Plan& plan, uint64_t chunk, const View& v, const std::vecto
       // The transfer after the one this piece opens, two ahead of the one
       // run next: one ahead came too late (MoE combine's plan ran 14 %
       // slower than without; two ahead, as fast as its fused engine was).
-      if (plan.weighted && piece.transfer + 1 < plan.transfers.size())
+      if ((plan.weighted || plan.dot) && piece.transfer + 1 < plan.transfers.size())
         PrefetchSources(plan, piece.transfer + 1, 0, plan.Columns(plan.transfers[piece.transfer + 1]), v);
       if (run_c1 > run_c0) RunColumns(plan, run_transfer, run_c0, run_c1, v);
       run_transfer = piece.transfer;
@@ -710,22 +777,24 @@ Status StagedJob(const Slot& s, Communicator* comm, const OpParams& p,
 
 Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, std::vector<int32_t> devices,
                 bool direct, bool staging, std::shared_ptr<const Plan> producer,
-                std::vector<uint32_t> producer_first) {
+                std::vector<uint32_t> producer_first, bool credit_producer) {
   View v;
   for (const void* in : buffers.in) v.in.push_back(static_cast<const char*>(in));
   for (const void* scratch : buffers.scratch) v.scratch.push_back(static_cast<const char*>(scratch));
   for (void* out : buffers.out) v.out.push_back(static_cast<char*>(out));
   v.in_row_stride = plan->in_blocks * plan->block_bytes;
-  v.out_row_stride = plan->out_blocks * plan->block_bytes;
+  v.out_row_stride = plan->out_blocks * plan->OutBlockBytes();
   v.block_stride = plan->block_bytes;
   auto first = std::make_shared<const std::vector<uint32_t>>(std::move(producer_first));
   if (producer) {
     v.producer = producer.get();
     v.producer_first = first->data();
+    for (const void* in : buffers.producer_in.empty() ? buffers.in : buffers.producer_in)
+      v.producer_in.push_back(static_cast<const char*>(in));
   }
   const uint64_t own = plan->chunk_starts.size() - 1;
   Phase phase;
-  phase.count = own + (producer ? producer->chunk_starts.size() - 1 : 0);
+  phase.count = own + (producer && credit_producer ? producer->chunk_starts.size() - 1 : 0);
   phase.run = [plan, producer, first, v = std::move(v), devices = std::move(devices), direct, staging,
                own](uint64_t chunk) {
     thread_local std::vector<Stats::LaneBytes> lane_bytes;  // reused by the thread

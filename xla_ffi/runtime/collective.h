@@ -133,6 +133,8 @@ Status PlanJob(const Slot& s, Plan plan, OpParams p, std::shared_ptr<Job>* job);
 struct PlanBuffers {
   std::vector<const void*> in, scratch;
   std::vector<void*> out;
+  // A fused producer's inputs (PlanPhase), when they are not `in`.
+  std::vector<const void*> producer_in;
 };
 // A partitioned plan's exchange as a phase over `buffers` (one task per host
 // chunk), crediting each lane its bytes and the stats the chunk's, as a
@@ -143,11 +145,13 @@ struct PlanBuffers {
 // transfer producer_first[r] + j writes block j of rank r's scratch, each
 // scratch source is computed from that transfer as it is read (the host
 // fuses the two passes the NPUs run one after the other: MoE combine's
-// partials into the token's sum), and the producer's lanes and bytes are
-// credited as its own phase's would be.
+// partials into the token's sum; MoE combine's backward reads the rows its
+// copies carry where they come from), and the producer's lanes and bytes
+// are credited as its own phase's would be, unless `credit_producer` is
+// false (a second reader of the same producer).
 Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, std::vector<int32_t> devices,
                 bool direct, bool staging = false, std::shared_ptr<const Plan> producer = nullptr,
-                std::vector<uint32_t> producer_first = {});
+                std::vector<uint32_t> producer_first = {}, bool credit_producer = true);
 
 // Adds to (*rank_bytes)[r] the bytes per row rank r reads + writes in
 // `plan` (sized by the caller: a plan built in parts adds each part's).

@@ -29,6 +29,16 @@ int HostWorkers() {
 
 void NameThisThread(const char* name) { pthread_setname_np(pthread_self(), name); }
 
+Phase Together(Phase a, Phase b) {
+  Phase both;
+  both.count = a.count + b.count;
+  both.run = [a = std::move(a.run), b = std::move(b.run), first = a.count](uint64_t i) {
+    if (i < first) a(i);
+    else b(i - first);
+  };
+  return both;
+}
+
 void Splice(Job* job, size_t after, Job&& more) {
   job->phases.insert(job->phases.begin() + static_cast<std::ptrdiff_t>(after) + 1,
                      std::make_move_iterator(more.phases.begin()), std::make_move_iterator(more.phases.end()));

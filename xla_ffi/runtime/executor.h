@@ -30,6 +30,10 @@ struct Phase {
   std::function<void(Job* more)> then;
 };
 
+// Two phases whose tasks are independent as one (their tasks in one
+// pool, a's first); neither may have a `then`.
+Phase Together(Phase a, Phase b);
+
 struct Job {
   std::vector<Phase> phases;
   // Called once, after the last task of the last phase, on a worker thread.

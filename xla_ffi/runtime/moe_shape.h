@@ -1,6 +1,4 @@
-// An MoE op's shape as every rank of its group agrees on it, and the rule
-// the runtime's MoE engine (combine's backward) and the supernode model must
-// share: the size of a work unit. Here, below both
+// An MoE op's shape as every rank of its group agrees on it. Here, below both
 // algorithms/moe.h (whose MoeParams extends the shape) and model/, so the
 // model times MoE without reaching up into the algorithms.
 #pragma once
@@ -18,9 +16,8 @@ struct MoeOpShape {
   int64_t capacity = 0;
   int64_t tokens = 0, topk = 0, hidden = 0;  // per rank
   DType dtype = DType::F32;                   // token / expert rows
-  // How a plan's work is split over lanes (strata.config(planner=)): MoE
-  // dispatch's and combine's plans honour it; the backward's engine has its
-  // own split.
+  // How a plan's work is split over lanes (strata.config(planner=)): every
+  // MoE op's plans honour it.
   Planner planner = Planner::kBalanced;
   int32_t cores = 1, engines = 1;
   // kBufferCentric: the vendor-library baseline. Rows peers read are first
@@ -32,10 +29,5 @@ struct MoeOpShape {
   int64_t local_experts() const { return num_experts / group_size; }
   int64_t row_bytes() const { return hidden * static_cast<int64_t>(DTypeSize(dtype)); }
 };
-
-// The MoE work unit: about this many bytes per task, small enough to spread
-// over the host workers and lanes, large enough that claiming tasks is not
-// contended. The model times the same tasks.
-inline constexpr int64_t kMoeTaskBytes = 256 << 10;
 
 }  // namespace strata

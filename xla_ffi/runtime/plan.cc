@@ -67,8 +67,12 @@ namespace {
 inline int64_t AlignDown(int64_t v, int64_t a) { return v / a * a; }
 inline int64_t AlignNearest(int64_t v, int64_t a) { return (v + a / 2) / a * a; }
 
-// Bytes read + written per column of a transfer.
-inline int64_t BytesPerColumn(const Transfer& t) { return t.src_count + t.dst_count; }
+// Bytes read + written per column of a transfer, for placing cuts (a dot
+// plan's destinations hold a value per row of columns: its cuts fall on
+// whole blocks, Partition's align, and its bytes are PieceBytes').
+inline int64_t BytesPerColumn(const Plan& plan, const Transfer& t) {
+  return plan.dot ? std::max<uint32_t>(1, t.src_count) : t.src_count + t.dst_count;
+}
 
 // Folds `next` into `run` when it is the run's next copy: the same columns,
 // its ranks and blocks one more step along (the first two copies set the step).
@@ -166,7 +170,7 @@ PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t ali
       if (t.dst_count == 1 || cols < 2 * kMinShareBytes) {
         // One share (MoE's rows, ragged runs): no divide per transfer, which
         // cost MoE dispatch's ten thousand transfers most of Partition's time.
-        emit(ti, p.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank, int64_t{0}, cols);
+        emit(ti, p.Executor(t, p.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank), int64_t{0}, cols);
         continue;
       }
       const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, cols / kMinShareBytes));
@@ -174,14 +178,14 @@ PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t ali
         int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align_bytes));
         int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align_bytes));
         if (c1 <= c0) continue;
-        emit(ti, p.refs[t.dst_begin + (s + ti) % t.dst_count].rank, c0, c1);
+        emit(ti, p.Executor(t, p.refs[t.dst_begin + (s + ti) % t.dst_count].rank), c0, c1);
       }
     }
   };
   npu_start_.assign(n + 1, 0);
   shares_of([&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) {
     npu_start_[npu + 1]++;
-    bytes_ += (c1 - c0) * BytesPerColumn(p.transfers[ti]);
+    bytes_ += p.PieceBytes(p.transfers[ti], c1 - c0);
   });
   for (int npu = 0; npu < n; ++npu) npu_start_[npu + 1] += npu_start_[npu];
   // Room in the plan for each NPU's pieces: its shares, plus one per lane (a
@@ -219,7 +223,7 @@ void PlanPartition::Npu(int npu) {
     for (int l = 0; l < lanes; ++l) {
       LaneTask task{npu, l, static_cast<uint32_t>(used), 0, 0};
       for (size_t i = static_cast<size_t>(l); i < count; i += static_cast<size_t>(lanes)) {
-        task.bytes += (mine[i].col_end - mine[i].col_begin) * BytesPerColumn(plan.transfers[mine[i].transfer]);
+        task.bytes += plan.PieceBytes(plan.transfers[mine[i].transfer], mine[i].col_end - mine[i].col_begin);
         pieces[used++] = mine[i];
       }
       task.piece_end = static_cast<uint32_t>(used);
@@ -243,7 +247,7 @@ void PlanPartition::Balance(int npu, const Piece* mine, size_t count, Piece* pie
   size_t used = 0, made = 0;
   int64_t total = 0;
   for (size_t i = 0; i < count; ++i)
-    total += (mine[i].col_end - mine[i].col_begin) * BytesPerColumn(plan.transfers[mine[i].transfer]);
+    total += (mine[i].col_end - mine[i].col_begin) * BytesPerColumn(plan, plan.transfers[mine[i].transfer]);
   const int64_t used_lanes =
       std::max<int64_t>(1, std::min<int64_t>(lanes_, total / std::max<int64_t>(1, min_lane_bytes_)));
   // Walk the pieces, cutting whenever the running byte count passes the
@@ -258,7 +262,7 @@ void PlanPartition::Balance(int npu, const Piece* mine, size_t count, Piece* pie
     LaneTask task{npu, static_cast<int32_t>(l), static_cast<uint32_t>(used), 0, 0};
     while (pi < count && done < quota_end) {
       const Piece p = mine[pi];  // a copy: writing the piece may reuse a share's place
-      const int64_t bpc = BytesPerColumn(plan.transfers[p.transfer]);
+      const int64_t bpc = BytesPerColumn(plan, plan.transfers[p.transfer]);
       // The rest of the piece fits the quota: no divide (most pieces of a
       // plan of many small transfers).
       int64_t end = (p.col_end - col) * bpc <= quota_end - done
@@ -283,7 +287,7 @@ void PlanPartition::Balance(int npu, const Piece* mine, size_t count, Piece* pie
       } else {
         pieces[used++] = {p.transfer, npu, col, end};
       }
-      task.bytes += (end - col) * bpc;
+      task.bytes += plan.PieceBytes(plan.transfers[p.transfer], end - col);
       done += (end - col) * bpc;
       col = end;
       if (col >= p.col_end) {
@@ -294,7 +298,7 @@ void PlanPartition::Balance(int npu, const Piece* mine, size_t count, Piece* pie
         // messages for less than one message's worth of its bytes; the
         // next lane takes the piece (a whole small piece still goes here).
         if (pi < count && l + 1 != used_lanes) {
-          const int64_t next_bpc = BytesPerColumn(plan.transfers[mine[pi].transfer]);
+          const int64_t next_bpc = BytesPerColumn(plan, plan.transfers[mine[pi].transfer]);
           const int64_t room_left = quota_end - done;
           if (2 * room_left < next_bpc * kMessageBytes && room_left < (mine[pi].col_end - mine[pi].col_begin) * next_bpc)
             break;
@@ -350,9 +354,11 @@ void PlanPartition::Finish() {
         const Piece& piece = plan.pieces[pi];
         const Transfer& t = plan.transfers[piece.transfer];
         const int64_t cols = piece.col_end - piece.col_begin;
-        bytes.written += cols * t.dst_count;
+        bytes.written += plan.OutBytes(cols) * t.dst_count;
         if (t.src_count == 0) continue;
-        if (plan.local_sums) {
+        if (plan.dot) {
+          bytes.carried += plan.OutBytes(cols) * t.dst_count;  // the value goes to its rank
+        } else if (plan.local_sums) {
           bytes.local += cols * t.src_count;
         } else if (plan.weighted) {
           bytes.carried += cols * t.src_count;

@@ -112,6 +112,18 @@ struct Plan {
   // and a lone source of weight 1 is copied as it is (a row staged for its
   // reader to weight).
   bool local_sums = false;
+  // A dot plan (MoE combine's backward, d_weights): each transfer with
+  // sources is two of them, a and b, and its destination gets their dot
+  // product sum_i a[i] x b[i] over the transfer's columns, in the
+  // accumulation type (float32; float64 for F64), stored as that type: an
+  // output block is one such value (out_block_bytes). The NPU holding b does
+  // the work and writes the value to the destination's rank. A transfer
+  // without sources zeroes span values. Partition it with align =
+  // block_bytes, so no lane splits a product.
+  bool dot = false;
+  // Bytes of one output block when narrower than block_bytes (a dot plan's
+  // value); 0: block_bytes.
+  int64_t out_block_bytes = 0;
 
   // Filled by Partition():
   int32_t lanes_per_npu = 0;
@@ -138,6 +150,22 @@ struct Plan {
   // paying a page fault per 4 KiB of fresh arrays.
   void Clear();
   int64_t Columns(const Transfer& t) const { return t.span * block_bytes; }
+  // Bytes a destination holds for `cols` of a transfer's columns (a dot
+  // plan's: one value per block_bytes of them).
+  int64_t OutBytes(int64_t cols) const {
+    return out_block_bytes > 0 && block_bytes > 0 ? cols / block_bytes * out_block_bytes : cols;
+  }
+  int64_t OutBlockBytes() const { return out_block_bytes > 0 ? out_block_bytes : block_bytes; }
+  // Bytes read + written for `cols` columns of transfer t (a lane's credit,
+  // the model's too).
+  int64_t PieceBytes(const Transfer& t, int64_t cols) const {
+    return cols * t.src_count + OutBytes(cols) * t.dst_count;
+  }
+  // The NPU that runs a share of t whose destination is `dst_rank`: that
+  // rank, or for a dot plan's product the rank holding its b.
+  int32_t Executor(const Transfer& t, int32_t dst_rank) const {
+    return dot && t.src_count > 0 ? refs[t.src_begin + t.src_count - 1].rank : dst_rank;
+  }
   void Add(const std::vector<BlockRef>& srcs, const std::vector<BlockRef>& dsts, uint32_t span = 1);
   // The same from arrays (plans of many small transfers: MoE dispatch's rows).
   void Add(const BlockRef* srcs, uint32_t src_count, const BlockRef* dsts, uint32_t dst_count,

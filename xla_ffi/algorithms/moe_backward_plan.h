@@ -1,0 +1,55 @@
+// MoE combine's backward as three plans in the collectives' vocabulary
+// (DeepEP's rule: ct_y crosses to an expert's rank once per token, however
+// many of the token's pairs are there; only one value per pair comes back):
+//   carry, a copy: per (token, owner rank) with kept pairs, the token's ct_y
+//     row into a block of the owner's scratch (an owner's blocks in the
+//     order of the rows whose pair leads the token there: the lowest k);
+//   scale, on the owners (weighted, local): each of the owner's d_expert_y
+//     rows, w x the carried row for a filled slot, zero for an empty one (a
+//     run of them is one transfer);
+//   dots, on the owners (a dot plan): per kept pair, <carried row, expert
+//     row> into the pair's d_weights value on its token's rank; a run of
+//     dropped pairs' values is zeroed there.
+// The runtime runs them (algorithms/moe.cc; in strata mode scale and dots
+// read each carried row where it comes from, the carry fused into them) and
+// the model times them.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "../runtime/moe_shape.h"
+#include "../runtime/plan.h"
+#include "../runtime/status.h"
+
+namespace strata {
+
+struct MoeBackwardPlans {
+  Plan carry;  // input: each rank's ct_y rows; output: its scratch
+  Plan scale;  // scratch: the carried rows; output: d_expert_y
+  Plan dots;   // input: expert rows, scratch blocks past them; output: d_weights values
+  // Per rank: its first transfer in `carry`; the one writing its scratch
+  // block j is first_carry[r] + j.
+  std::vector<uint32_t> first_carry;
+  // The builder's scratch, kept with the plans (the runtime pools them).
+  std::vector<int32_t> scratch_of_row;
+};
+
+// pair_slot[r]: rank r's [tokens * topk] global slots (-1: dropped);
+// slot_source[o]: owner o's [local_experts * capacity] source pairs
+// (r * tokens * topk + pair, or -1: empty), the two fields of one dispatch
+// (algorithms/moe.h). weights[r]: rank r's [tokens * topk] weights (float32;
+// float64 for F64 rows), or empty for all 1 (the model, which times bytes).
+// A slot or source out of range, or a slot whose source is not its pair, is
+// an error naming the op. The plans are unpartitioned.
+Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
+                             const std::vector<const int32_t*>& slot_source,
+                             const std::vector<const void*>& weights, MoeBackwardPlans* plans);
+
+// Partitions the three plans as the runtime and the model both run them:
+// the carry on SDMA engines or cores by the movement rule (MovesOnSdma over
+// the busiest rank's bytes, with these figures), scale and dots on cores
+// (dots cut only between products).
+void PartitionMoeBackwardPlans(const MoeOpShape& p, MoeBackwardPlans* plans,
+                               double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
+
+}  // namespace strata

@@ -113,7 +113,7 @@ def worker(site: str | None, calls: int, only: str) -> None:
 
                     def backward(y, hd, w, ct):
                         hd = jax.tree.map(lambda a: a[0], hd)
-                        return moe_module._combine_bwd(("x",), (y, w, hd.pair_slot, hd.slot_source), ct)[:2]
+                        return tuple(moe_module._combine_bwd(("x",), (y, w, hd.pair_slot, hd.slot_source), ct)[:2])
                     results[case] = timed(smap(backward, 4, 2), (ey, handle, w, ct))
                     continue
                 combine = smap(lambda y, hd, w: strata.moe.combine(y, jax.tree.map(lambda a: a[0], hd), w), 3)

@@ -53,6 +53,7 @@
 #include "../../xla_ffi/model/model.h"
 #include "../../xla_ffi/runtime/collective.h"
 #include "../../xla_ffi/runtime/plan.h"
+#include "../../xla_ffi/runtime/reduce_isa.h"
 
 namespace strata {
 namespace {
@@ -1190,6 +1191,76 @@ void CheckMoeBackwardPlans(int64_t* plans) {
         "moe_combine_backward mismatched layout: " << st.message);
 }
 
+float Bf16Value(const std::vector<uint8_t>& bytes, int64_t i) {
+  uint16_t h;
+  std::memcpy(&h, bytes.data() + 2 * i, 2);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// The MoE backward's row kernels in every variant this CPU runs: ScaleRow
+// stores what AxpyRow into a zeroed accumulator and NarrowRow store (the
+// weighted plans' general path), DotRow gives the same value in every
+// variant; over random bit patterns (NaNs, infinities, subnormals, signed
+// zeros) and odd lengths. A NaN need only meet a NaN (which payload an add
+// keeps is the compiler's choice of operand order).
+void CheckRowKernels() {
+  g_context = "row kernels";
+  std::mt19937_64 rng(37);
+  auto same = [](double a, double b) { return (std::isnan(a) && std::isnan(b)) || std::memcmp(&a, &b, 8) == 0; };
+  auto value = [](DType dt, const std::vector<uint8_t>& bytes, int64_t i) -> double {
+    switch (dt) {
+      case DType::F64: { double v; std::memcpy(&v, bytes.data() + 8 * i, 8); return v; }
+      case DType::F32: { float v; std::memcpy(&v, bytes.data() + 4 * i, 4); return v; }
+      default: { uint16_t h; std::memcpy(&h, bytes.data() + 2 * i, 2); return h; }  // bits: exact compare
+    }
+  };
+  const std::vector<std::string> isas = ReduceIsasAvailable();
+  for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16})
+    for (int64_t n : {0, 1, 7, 8, 9, 1001}) {
+      const size_t es = DTypeSize(dt);
+      std::vector<uint8_t> a(n * es), b(n * es);
+      for (auto* v : {&a, &b})
+        for (size_t i = 0; i < v->size(); ++i) (*v)[i] = static_cast<uint8_t>(rng());
+      // Mostly ordinary values: a sum of random bit patterns is almost always NaN.
+      for (int64_t i = 0; i < n; ++i)
+        if (rng() % 4 != 0)
+          for (auto* v : {&a, &b}) {
+            const float f = std::normal_distribution<float>()(rng);
+            if (dt == DType::F32) std::memcpy(v->data() + 4 * i, &f, 4);
+            if (dt == DType::F64) { const double d = f; std::memcpy(v->data() + 8 * i, &d, 8); }
+            if (dt == DType::BF16) { uint32_t bits; std::memcpy(&bits, &f, 4); const uint16_t h = bits >> 16; std::memcpy(v->data() + 2 * i, &h, 2); }
+          }
+      const double w = std::normal_distribution<float>()(rng);
+      double first_dot = 0;
+      std::vector<uint8_t> first_scale;
+      for (size_t k = 0; k < isas.size(); ++k) {
+        SetReduceIsa(isas[k]);
+        const std::string where = std::string(DTypeName(dt)) + " n=" + std::to_string(n) + " " + isas[k];
+        const double dot = DotRow(dt, a.data(), b.data(), n);
+        if (k == 0) first_dot = dot;
+        CHECK(same(dot, first_dot), "DotRow " << where << ": " << dot << " vs " << first_dot);
+        if (dt == DType::F16) continue;  // no ScaleRow: StoreSum's own conversion
+        std::vector<uint8_t> scaled(n * es, 0xA5), general(n * es, 0x5A);
+        std::vector<double> acc(n, 0.0);
+        ScaleRow(dt, scaled.data(), a.data(), w, n);
+        AxpyRow(dt, acc.data(), a.data(), w, n);
+        NarrowRow(dt, general.data(), acc.data(), n);
+        if (k == 0) first_scale = scaled;
+        for (int64_t i = 0; i < n; ++i) {
+          CHECK(same(value(dt, scaled, i), value(dt, general, i)) ||
+                    (dt == DType::BF16 && std::isnan(Bf16Value(scaled, i)) && std::isnan(Bf16Value(general, i))),
+                "ScaleRow " << where << " element " << i << " differs from AxpyRow + NarrowRow");
+          CHECK(same(value(dt, scaled, i), value(dt, first_scale, i)) ||
+                    (dt == DType::BF16 && std::isnan(Bf16Value(scaled, i)) && std::isnan(Bf16Value(first_scale, i))),
+                "ScaleRow " << where << " element " << i << " differs from " << isas[0]);
+        }
+      }
+      SetReduceIsa("auto");
+    }
+}
+
 void CheckRaggedPlans(int64_t* plans) {
   std::mt19937_64 rng(28);
   CheckRaggedErrors(rng);
@@ -1273,6 +1344,7 @@ int main() {
   CheckMoeDispatchPlans(&plans);
   CheckMoeCombinePlans(&plans);
   CheckMoeBackwardPlans(&plans);
+  CheckRowKernels();
   std::printf("test_plans: %lld plans, %lld checks, %lld failures\n", static_cast<long long>(plans),
               static_cast<long long>(g_checks), static_cast<long long>(g_failures));
   return g_failures == 0 ? 0 : 1;

@@ -362,11 +362,17 @@ void RunWeighted(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, co
       for (uint32_t k = 0; k < t.dst_count; ++k) std::memset(dst(k), 0, c1 - c0);
       continue;
     }
-    if (plan.local_sums && t.src_count == 1 && plan.weights[t.src_begin] == 1.0) {
-      if (const char* only = SourceAt(plan, plan.refs[t.src_begin], row, c0, v)) {
-        for (uint32_t k = 0; k < t.dst_count; ++k) std::memcpy(dst(k), only, c1 - c0);
-        continue;
-      }
+    const char* only = t.src_count == 1 ? SourceAt(plan, plan.refs[t.src_begin], row, c0, v) : nullptr;
+    if (only && plan.local_sums && plan.weights[t.src_begin] == 1.0) {
+      for (uint32_t k = 0; k < t.dst_count; ++k) std::memcpy(dst(k), only, c1 - c0);
+      continue;
+    }
+    if (only && dtype != DType::F16) {
+      // One weighted row (MoE combine's backward, d_expert_y): the product
+      // stored in one pass, as the sum from zero below would store it.
+      ScaleRow(dtype, dst(0), only, plan.weights[t.src_begin], n);
+      for (uint32_t k = 1; k < t.dst_count; ++k) std::memcpy(dst(k), dst(0), c1 - c0);
+      continue;
     }
     double* const scratch = SumScratch(n, 3);
     void* const acc = scratch;
@@ -385,33 +391,6 @@ void RunWeighted(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, co
   }
 }
 
-// Row arithmetic of a dot: 16-bit values widen to float32 (exactly).
-inline float Widen(float x) { return x; }
-inline double Widen(double x) { return x; }
-inline float Widen(_Float16 x) { return static_cast<float>(x); }
-inline float Widen(uint16_t bf16) {
-  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-// sum_i a[i] x b[i] in the accumulation type A, in eight interleaved partial
-// sums (lane j takes i = j mod 8; so the loop vectorises without
-// reassociation), then the tail, then the partials in order.
-template <typename T, typename A>
-A DotRow(const void* a_bytes, const void* b_bytes, int64_t n) {
-  const T* a = static_cast<const T*>(a_bytes);
-  const T* b = static_cast<const T*>(b_bytes);
-  A part[8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) part[j] += static_cast<A>(Widen(a[i + j])) * static_cast<A>(Widen(b[i + j]));
-  A sum = 0;
-  for (; i < n; ++i) sum += static_cast<A>(Widen(a[i])) * static_cast<A>(Widen(b[i]));
-  for (int j = 0; j < 8; ++j) sum += part[j];
-  return sum;
-}
-
 // Columns [c0, c1) of one transfer of a dot plan, every row: whole products
 // (Partition keeps them on one lane), or a run of zeroed values.
 void RunDot(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, const View& v) {
@@ -428,15 +407,8 @@ void RunDot(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, const V
     const char* a = SourceAt(plan, plan.refs[t.src_begin], row, c0, v);
     const char* b = SourceAt(plan, plan.refs[t.src_begin + 1], row, c0, v);
     const int64_t n = (c1 - c0) / static_cast<int64_t>(DTypeSize(plan.dtype));
-    double f64 = 0;
-    float f32 = 0;
-    switch (plan.dtype) {
-      case DType::F64: f64 = DotRow<double, double>(a, b, n); break;
-      case DType::F32: f32 = DotRow<float, float>(a, b, n); break;
-      case DType::F16: f32 = DotRow<_Float16, float>(a, b, n); break;
-      case DType::BF16: f32 = DotRow<uint16_t, float>(a, b, n); break;
-      default: break;
-    }
+    const double f64 = DotRow(plan.dtype, a, b, n);
+    const float f32 = static_cast<float>(f64);  // exact: a float32 sum
     for (uint32_t k = 0; k < t.dst_count; ++k) std::memcpy(dst(k), value == 8 ? static_cast<const void*>(&f64) : &f32, value);
   }
 }
@@ -510,6 +482,17 @@ inline void RunStrided(const Move& m, const View& v) {
   }
 }
 
+// Each lane task of host chunk `chunk` its bytes (per row, x rows), as the
+// partition gave them: what a chunk run as moves, or not run at all (a
+// producer fused into its reader), credits its lanes.
+void CreditTasks(const Plan& plan, uint64_t chunk, const std::vector<int32_t>& devices, int64_t rows,
+                 std::vector<Stats::LaneBytes>* lane_bytes) {
+  for (uint32_t i = plan.chunk_starts[chunk]; i < plan.chunk_starts[chunk + 1]; ++i) {
+    const LaneTask& task = plan.tasks[i];
+    if (task.bytes > 0) lane_bytes->push_back({devices[task.npu], task.lane, task.bytes * rows});
+  }
+}
+
 // Host chunk `chunk` of a copy-only plan over the whole message: its resolved
 // moves (Plan::moves); credits each lane its bytes.
 void RunMoves(const Plan& plan, uint64_t chunk, const View& v, const std::vector<int32_t>& devices,
@@ -524,10 +507,7 @@ void RunMoves(const Plan& plan, uint64_t chunk, const View& v, const std::vector
       RunStrided<0>(m, v);
     }
   }
-  for (uint32_t i = plan.chunk_starts[chunk]; i < plan.chunk_starts[chunk + 1]; ++i) {
-    const LaneTask& task = plan.tasks[i];
-    if (task.bytes > 0) lane_bytes->push_back({devices[task.npu], task.lane, task.bytes * v.rows});
-  }
+  CreditTasks(plan, chunk, devices, v.rows, lane_bytes);
 }
 
 // Host chunk `chunk` of any plan: the chunk's pieces
@@ -805,10 +785,7 @@ Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, st
       // lanes and bytes are credited as its own phase's would be.
       const Plan& p = *producer;
       const uint64_t c = chunk - own;
-      for (uint32_t i = p.chunk_starts[c]; i < p.chunk_starts[c + 1]; ++i) {
-        const LaneTask& task = p.tasks[i];
-        if (task.bytes > 0) lane_bytes.push_back({devices[task.npu], task.lane, task.bytes});
-      }
+      CreditTasks(p, c, devices, 1, &lane_bytes);
       stats.AddLaneBytes(p.on_sdma, p.lanes_per_npu, lane_bytes);
       stats.AddExchanged(p.chunk_bytes[c].carried, direct);
       stats.AddLocal(p.chunk_bytes[c].local);

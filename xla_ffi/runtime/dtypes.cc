@@ -15,6 +15,8 @@ struct IsaEntry {
   AxpyRowFn axpy;
   AxpyAddRoundedRowFn axpy_add_rounded;
   NarrowRowFn narrow;
+  ScaleRowFn scale;
+  DotRowFn dot;
   bool (*supported)();
 };
 
@@ -35,16 +37,16 @@ bool Always() { return true; }
 
 // Narrowest first.
 const IsaEntry kIsas[] = {
-    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AxpyAddRoundedRow, &isa_baseline::NarrowRow, &Always},
+    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AxpyAddRoundedRow, &isa_baseline::NarrowRow, &isa_baseline::ScaleRow, &isa_baseline::DotRow, &Always},
 #ifdef STRATA_REDUCE_HAVE_AVX2
-    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AxpyAddRoundedRow, &isa_avx2::NarrowRow, &CpuHasAvx2},
+    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AxpyAddRoundedRow, &isa_avx2::NarrowRow, &isa_avx2::ScaleRow, &isa_avx2::DotRow, &CpuHasAvx2},
 #else
-    {"avx2", nullptr, nullptr, nullptr, nullptr, &CpuHasAvx2},
+    {"avx2", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &CpuHasAvx2},
 #endif
 #ifdef STRATA_REDUCE_HAVE_AVX512
-    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AxpyAddRoundedRow, &isa_avx512::NarrowRow, &CpuHasAvx512},
+    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AxpyAddRoundedRow, &isa_avx512::NarrowRow, &isa_avx512::ScaleRow, &isa_avx512::DotRow, &CpuHasAvx512},
 #else
-    {"avx512", nullptr, nullptr, nullptr, nullptr, &CpuHasAvx512},
+    {"avx512", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &CpuHasAvx512},
 #endif
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
@@ -135,6 +137,14 @@ void AxpyAddRoundedRow(DType row_dtype, void* acc, const void* part, const void*
 
 void NarrowRow(DType row_dtype, void* out, const void* acc, int64_t n) {
   g_isa.load(std::memory_order_relaxed)->narrow(row_dtype, out, acc, n);
+}
+
+void ScaleRow(DType row_dtype, void* out, const void* row, double w, int64_t n) {
+  g_isa.load(std::memory_order_relaxed)->scale(row_dtype, out, row, w, n);
+}
+
+double DotRow(DType row_dtype, const void* a, const void* b, int64_t n) {
+  return g_isa.load(std::memory_order_relaxed)->dot(row_dtype, a, b, n);
 }
 
 std::string SetReduceIsa(const std::string& isa) {

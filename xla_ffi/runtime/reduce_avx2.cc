@@ -28,5 +28,9 @@ void AxpyAddRoundedRow(DType dtype, void* acc, const void* part, const void* row
 
 void NarrowRow(DType dtype, void* out, const void* acc, int64_t n) { NarrowRowImpl(dtype, out, acc, n); }
 
+void ScaleRow(DType dtype, void* out, const void* row, double w, int64_t n) { ScaleRowImpl(dtype, out, row, w, n); }
+
+double DotRow(DType dtype, const void* a, const void* b, int64_t n) { return DotRowImpl(dtype, a, b, n); }
+
 }  // namespace isa_avx2
 }  // namespace strata

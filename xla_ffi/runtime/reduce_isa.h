@@ -21,24 +21,32 @@ using ReduceFn = void (*)(DType, ReduceOp, void* const*, int, const void* const*
 using AxpyRowFn = void (*)(DType, void*, const void*, double, int64_t);
 using AxpyAddRoundedRowFn = void (*)(DType, void*, const void*, const void*, double, int64_t);
 using NarrowRowFn = void (*)(DType, void*, const void*, int64_t);
+using ScaleRowFn = void (*)(DType, void*, const void*, double, int64_t);
+using DotRowFn = double (*)(DType, const void*, const void*, int64_t);
 
 namespace isa_baseline {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
 void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 void NarrowRow(DType, void*, const void*, int64_t);
+void ScaleRow(DType, void*, const void*, double, int64_t);
+double DotRow(DType, const void*, const void*, int64_t);
 }
 namespace isa_avx2 {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
 void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 void NarrowRow(DType, void*, const void*, int64_t);
+void ScaleRow(DType, void*, const void*, double, int64_t);
+double DotRow(DType, const void*, const void*, int64_t);
 }
 namespace isa_avx512 {
 void ReduceInto(DType, ReduceOp, void* const*, int, const void* const*, int, size_t, bool);
 void AxpyRow(DType, void*, const void*, double, int64_t);
 void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 void NarrowRow(DType, void*, const void*, int64_t);
+void ScaleRow(DType, void*, const void*, double, int64_t);
+double DotRow(DType, const void*, const void*, int64_t);
 }
 
 // The MoE combine's accumulation of one weighted expert row in the chosen
@@ -57,6 +65,15 @@ void AxpyAddRoundedRow(DType row_dtype, void* acc, const void* part, const void*
 // rows: the caller's own conversion, whose NaN payloads this one's would
 // not keep).
 void NarrowRow(DType row_dtype, void* out, const void* acc, int64_t n);
+
+// MoE combine's backward, a d_expert_y row: out[i] = (0 + w * row[i])
+// rounded to row_dtype, for F32, F64 and BF16 rows (F16 rows: AxpyRow and
+// the caller's own conversion, as for NarrowRow).
+void ScaleRow(DType row_dtype, void* out, const void* row, double w, int64_t n);
+// MoE combine's backward, a d_weights value: the dot product of two rows
+// (F32, F64, F16, BF16) in eight interleaved float32 partial sums (float64
+// for F64 rows), the same bits in every variant.
+double DotRow(DType row_dtype, const void* a, const void* b, int64_t n);
 
 // The variant ReduceInto runs now: "baseline", "avx2" or "avx512".
 const char* ReduceIsa();

@@ -41,9 +41,10 @@ COLLECTIVE_BYTES = (64 << 10, 1 << 20)
 
 def cases(only: str) -> list[str]:
     out = []
-    if only in ("all", "moe"):
+    if only in ("all", "moe", "moe_backward"):
+        ops = ("combine_backward",) if only == "moe_backward" else ("dispatch", "combine", "combine_backward")
         out += [f"moe_{op} {mode} {dt}" for mode in ("strata", "buffer_centric")
-                for dt in ("float32", "bfloat16") for op in ("dispatch", "combine", "combine_backward")]
+                for dt in ("float32", "bfloat16") for op in ops]
     if only in ("all", "collectives"):
         out += [f"{op} strata float32 {nbytes >> 10}K" for nbytes in COLLECTIVE_BYTES for op in COLLECTIVES]
     return out
@@ -167,7 +168,7 @@ def main() -> None:
     ap.add_argument("--after", default="HEAD", help="the later commit (default HEAD; uncommitted changes are not in it)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=25)
-    ap.add_argument("--only", choices=["all", "moe", "collectives"], default="all")
+    ap.add_argument("--only", choices=["all", "moe", "moe_backward", "collectives"], default="all")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--site", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -816,27 +816,30 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
     // Three plans (algorithms/moe_backward_plan.h): ct_y crosses once per
     // (token, rank), then the owners scale it into every row of the token
     // and take its dot with each of the token's expert rows there, one
-    // value back per pair. Built and partitioned by one task, then run.
+    // value back per pair. Built by owner (a task each), laid out serially,
+    // joined by owner, partitioned (a task per plan), then run.
     auto plans = AcquirePooled<MoeBackwardPlans>();
-    Phase build;
-    build.count = 1;
-    build.run = [p = static_cast<const MoeOpShape&>(p), plans, ranks, ptrs = PtrTable(s), n](uint64_t) {
-      std::vector<const int32_t*> pair_slot(n), slot_source(n);
-      std::vector<const void*> weights(n);
-      for (int r = 0; r < n; ++r) {
-        pair_slot[r] = static_cast<const int32_t*>(ptrs[r][kPairSlot]);
-        slot_source[r] = static_cast<const int32_t*>(ptrs[r][kSlotSource]);
-        weights[r] = ptrs[r][kW];
-      }
-      const Status st = BuildMoeBackwardPlans(p, pair_slot, slot_source, weights, plans.get());
-      if (!st.ok) {
-        for (RankState* r : ranks) r->error = st.message;
-        return;
-      }
-      PartitionMoeBackwardPlans(p, plans.get());
+    std::vector<const int32_t*> pair_slot(n), slot_source(n);
+    std::vector<const void*> weights(n);
+    for (int r = 0; r < n; ++r) {
+      pair_slot[r] = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
+      slot_source[r] = static_cast<const int32_t*>(s.ptrs[r][kSlotSource]);
+      weights[r] = s.ptrs[r][kW];
+    }
+    auto builder = std::make_shared<MoeBackwardPlanBuilder>(p, std::move(pair_slot), std::move(slot_source),
+                                                            std::move(weights), plans.get());
+    Phase owners;
+    owners.count = n;
+    owners.run = [builder](uint64_t o) { builder->Owner(static_cast<int>(o)); };
+    Phase join;
+    join.count = n;
+    join.run = [builder](uint64_t o) { builder->Join(static_cast<int>(o)); };
+    Phase partition;  // a task per plan
+    partition.count = 3;
+    partition.run = [p = static_cast<const MoeOpShape&>(p), plans](uint64_t which) {
+      PartitionMoeBackwardPlan(p, plans.get(), static_cast<int>(which));
     };
-    build.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices, direct](Job* more) {
-      if (!ranks[0]->error.empty()) return;
+    partition.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices, direct](Job* more) {
       const int n = static_cast<int>(ranks.size());
       std::shared_ptr<const Plan> carry(plans, &plans->carry), scale(plans, &plans->scale),
           dots(plans, &plans->dots);
@@ -872,9 +875,18 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
                                       PlanPhase(dots, to_dot, devices, false)));
       more->phases.push_back(StagePhase(ranks, /*in=*/false));
     };
+    join.then = [partition = std::move(partition)](Job* more) mutable { more->phases.push_back(std::move(partition)); };
+    owners.then = [builder, ranks, join = std::move(join)](Job* more) mutable {
+      const Status st = builder->Layout();
+      if (!st.ok) {
+        for (RankState* r : ranks) r->error = st.message;
+        return;
+      }
+      more->phases.push_back(std::move(join));
+    };
     std::vector<Phase> phases;
     if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
-    phases.push_back(std::move(build));
+    phases.push_back(std::move(owners));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

@@ -15,6 +15,7 @@
 // the model times them.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "../runtime/moe_shape.h"
@@ -30,8 +31,41 @@ struct MoeBackwardPlans {
   // Per rank: its first transfer in `carry`; the one writing its scratch
   // block j is first_carry[r] + j.
   std::vector<uint32_t> first_carry;
-  // The builder's scratch, kept with the plans (the runtime pools them).
-  std::vector<int32_t> scratch_of_row;
+  // The builder's per-owner shares, kept with the plans (the runtime pools
+  // them, so their arrays are reused op to op).
+  struct Share {
+    Plan carry, scale, dots;
+    std::vector<int32_t> scratch_of_row;  // a row's carried block, at its token's lead row
+    std::string error;
+  };
+  std::vector<Share> shares;
+};
+
+// BuildMoeBackwardPlans in steps that may run in parallel (the runtime runs
+// them as phases): Owner(o) for every rank (writes only share o), then
+// Layout (serial: the first error; places every share), then Join(o) for
+// every rank (copies share o into the plans). The same plans as the serial
+// build.
+class MoeBackwardPlanBuilder {
+ public:
+  // Builds into *plans (which must outlive the steps), from the arrays below.
+  MoeBackwardPlanBuilder(const MoeOpShape& p, std::vector<const int32_t*> pair_slot,
+                         std::vector<const int32_t*> slot_source, std::vector<const void*> weights,
+                         MoeBackwardPlans* plans);
+  // Owner o's carried rows, its rows' scale and its pairs' dots, and rank
+  // o's dropped pairs' zeroed values.
+  void Owner(int o);
+  Status Layout();
+  void Join(int o);
+
+ private:
+  MoeOpShape p_;
+  std::vector<const int32_t*> pair_slot_, slot_source_;
+  std::vector<const void*> weights_;
+  MoeBackwardPlans* plans_;
+  // Per owner, after Layout: where its share's transfers and refs go in
+  // each plan (carry, scale, dots).
+  std::vector<uint32_t> transfer_at_[3], ref_at_[3];
 };
 
 // pair_slot[r]: rank r's [tokens * topk] global slots (-1: dropped);
@@ -45,10 +79,14 @@ Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_
                              const std::vector<const int32_t*>& slot_source,
                              const std::vector<const void*>& weights, MoeBackwardPlans* plans);
 
-// Partitions the three plans as the runtime and the model both run them:
-// the carry on SDMA engines or cores by the movement rule (MovesOnSdma over
-// the busiest rank's bytes, with these figures), scale and dots on cores
-// (dots cut only between products).
+// Partitions plan `which` (0 carry, 1 scale, 2 dots) as the runtime and the
+// model both run it: the carry on SDMA engines or cores by the movement rule
+// (MovesOnSdma over the busiest rank's bytes, with these figures), scale
+// and dots on cores (dots cut only between products). The three are
+// independent (the runtime partitions them at once).
+void PartitionMoeBackwardPlan(const MoeOpShape& p, MoeBackwardPlans* plans, int which,
+                              double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
+// All three.
 void PartitionMoeBackwardPlans(const MoeOpShape& p, MoeBackwardPlans* plans,
                                double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
 

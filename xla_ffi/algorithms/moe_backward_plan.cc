@@ -76,9 +76,6 @@ void MoeBackwardPlanBuilder::Owner(int o) {
   };
 
   // Pass 1: a carried row per (token, owner), in the order of its lead's row.
-  std::vector<int32_t>& scratch_of_row = share.scratch_of_row;
-  scratch_of_row.assign(per_rank, -1);
-  int32_t carried = 0;
   for (int64_t row = 0; row < per_rank; ++row) {
     const int32_t src = sources[row];
     if (src == -1) continue;
@@ -98,31 +95,47 @@ void MoeBackwardPlanBuilder::Owner(int o) {
       return fail(os.str());
     }
     if (lead_row(token_slots) != row) continue;
-    scratch_of_row[row] = carried++;
-    const BlockRef from{r, static_cast<int32_t>(t)}, to{o, scratch_of_row[row]};
+    const BlockRef from{r, static_cast<int32_t>(t)}, to{o, static_cast<int32_t>(share.carry.transfers.size())};
     share.carry.Add(&from, 1, &to, 1);
   }
-  // Pass 2: every row's d_expert_y, every kept pair's d_weights value.
+  // Pass 2, token by token (a carried row at a time, so its readers follow
+  // one another and it is read from cache: in row order each token's row
+  // came back from memory once per pair, scale and dots alike): w x the
+  // carried row into each of the token's rows here, k ascending, and each
+  // pair's dot. Then the runs of empty rows, zeroed.
+  for (uint32_t j = 0; j < share.carry.transfers.size(); ++j) {
+    const BlockRef& token = share.carry.refs[share.carry.transfers[j].src_begin];
+    const int r = token.rank;
+    const int32_t* token_slots = pair_slot_[r] + static_cast<int64_t>(token.block) * k_top;
+    for (int64_t k = 0; k < k_top; ++k) {
+      const int64_t row = token_slots[k] - first_slot;
+      if (row < 0 || row >= per_rank) continue;
+      const int64_t pair = static_cast<int64_t>(token.block) * k_top + k;
+      if (sources[row] != r * pairs + pair) {
+        std::ostringstream os;
+        os << "rank " << r << "'s pair " << pair << " has slot " << token_slots[k] << " but that slot's source is "
+           << sources[row] << ": the handle was modified or mixes two dispatches";
+        return fail(os.str());
+      }
+      const BlockRef dst{o, static_cast<int32_t>(row)};
+      const BlockRef from{o, static_cast<int32_t>(j)};  // scale's scratch starts at block 0 (no input)
+      const double w = weight_of(r, pair);
+      share.scale.AddWeighted(&from, &w, 1, &dst, 1);
+      const BlockRef operands[2] = {{o, static_cast<int32_t>(per_rank + j)}, dst};
+      const BlockRef value{r, static_cast<int32_t>(pair)};
+      share.dots.Add(operands, 2, &value, 1);
+    }
+  }
   for (int64_t row = 0; row < per_rank;) {
-    const int32_t src = sources[row];
-    const BlockRef dst{o, static_cast<int32_t>(row)};
-    if (src < 0) {
-      int64_t end = row + 1;  // a run of empty rows: one zero fill
-      while (end < per_rank && sources[end] < 0) ++end;
-      share.scale.Add(nullptr, 0, &dst, 1, static_cast<uint32_t>(end - row));
-      row = end;
+    if (sources[row] >= 0) {
+      ++row;
       continue;
     }
-    const int r = static_cast<int>(src / pairs);
-    const int64_t pair = src % pairs;
-    const int32_t carried_at = scratch_of_row[lead_row(pair_slot_[r] + pair / k_top * k_top)];
-    const BlockRef from{o, carried_at};  // scale's scratch starts at block 0 (no input)
-    const double w = weight_of(r, pair);
-    share.scale.AddWeighted(&from, &w, 1, &dst, 1);
-    const BlockRef operands[2] = {{o, static_cast<int32_t>(per_rank + carried_at)}, dst};
-    const BlockRef value{r, static_cast<int32_t>(pair)};
-    share.dots.Add(operands, 2, &value, 1);
-    ++row;
+    int64_t end = row + 1;
+    while (end < per_rank && sources[end] < 0) ++end;
+    const BlockRef dst{o, static_cast<int32_t>(row)};
+    share.scale.Add(nullptr, 0, &dst, 1, static_cast<uint32_t>(end - row));
+    row = end;
   }
   // Rank o's dropped pairs' values, zeroed on it, a run at a time.
   const int32_t* mine = pair_slot_[o];

@@ -5,11 +5,12 @@
 //     row into a block of the owner's scratch (an owner's blocks in the
 //     order of the rows whose pair leads the token there: the lowest k);
 //   scale, on the owners (weighted, local): each of the owner's d_expert_y
-//     rows, w x the carried row for a filled slot, zero for an empty one (a
-//     run of them is one transfer);
+//     rows, w x the carried row for a filled slot (token by token, in the
+//     carry's order, so a carried row's readers follow one another), zero
+//     for an empty one (a run of them is one transfer);
 //   dots, on the owners (a dot plan): per kept pair, <carried row, expert
-//     row> into the pair's d_weights value on its token's rank; a run of
-//     dropped pairs' values is zeroed there.
+//     row> into the pair's d_weights value on its token's rank (in the same
+//     order); a run of dropped pairs' values is zeroed there.
 // The runtime runs them (algorithms/moe.cc; in strata mode scale and dots
 // read each carried row where it comes from, the carry fused into them) and
 // the model times them.
@@ -35,7 +36,6 @@ struct MoeBackwardPlans {
   // them, so their arrays are reused op to op).
   struct Share {
     Plan carry, scale, dots;
-    std::vector<int32_t> scratch_of_row;  // a row's carried block, at its token's lead row
     std::string error;
   };
   std::vector<Share> shares;

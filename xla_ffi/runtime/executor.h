@@ -31,7 +31,7 @@ struct Phase {
 };
 
 // Two phases whose tasks are independent as one (their tasks in one
-// pool, a's first); neither may have a `then`.
+// pool, alternating); neither may have a `then`.
 Phase Together(Phase a, Phase b);
 
 struct Job {

@@ -84,13 +84,16 @@ void MoeBackwardPlanBuilder::Owner(int o) {
       os << "owner " << o << "'s slot_source[" << row << "] = " << src << " is outside [-1, " << n * pairs << ")";
       return fail(os.str());
     }
-    const int r = static_cast<int>(src / pairs);
-    const int64_t pair = src % pairs, t = pair / k_top;
+    // 32-bit divides (src < 2^31): a 64-bit one per row was a third of the build.
+    const uint32_t u_src = static_cast<uint32_t>(src), u_pairs = static_cast<uint32_t>(pairs);
+    const int r = static_cast<int>(u_src / u_pairs);
+    const int64_t pair = u_src - static_cast<uint32_t>(r) * u_pairs;
+    const int64_t t = static_cast<uint32_t>(pair) / static_cast<uint32_t>(k_top);
     const int32_t* token_slots = pair_slot_[r] + t * k_top;
-    if (token_slots[pair % k_top] != first_slot + row) {
+    if (token_slots[pair - t * k_top] != first_slot + row) {
       std::ostringstream os;
       os << "owner " << o << "'s row " << row << " names rank " << r << "'s pair " << pair
-         << " as its source, but that pair's slot is " << token_slots[pair % k_top]
+         << " as its source, but that pair's slot is " << token_slots[pair - t * k_top]
          << ": the handle was modified or mixes two dispatches";
       return fail(os.str());
     }

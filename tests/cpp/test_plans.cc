@@ -1030,7 +1030,7 @@ void CheckMoeCombinePlans(int64_t* plans) {
 }
 
 // MoE combine's backward: plans of a random routing, run as the runtime
-// runs them (strata: the carry fused into its readers; buffer_centric: the
+// runs them (the carry fused into its readers) and as the NPUs would (the
 // carry into scratch first), against numpy's arithmetic done here by hand:
 // d_expert_y[slot] = w x ct_y[token] (one float product), d_weights[pair] =
 // <ct_y[token], expert row> (float32 accumulation: within a bound of the

@@ -197,8 +197,7 @@ class RowBuffers {
       // Registration-on-allocation makes these hits; an XLA temporary is
       // registered on first use and cached, and that miss is counted.
       for (const In& in : ins_)
-        if (in.bytes > 0 && in.user)
-          GlobalRegistry().LookupOrRegister(device, reinterpret_cast<uintptr_t>(in.user), in.bytes, true);
+        if (in.bytes > 0) GlobalRegistry().LookupOrRegister(device, reinterpret_cast<uintptr_t>(in.user), in.bytes, true);
       for (const Out& out : outs_) {
         if (out.bytes <= 0) continue;
         GlobalRegistry().LookupOrRegister(device, reinterpret_cast<uintptr_t>(out.user), out.bytes, false);
@@ -249,7 +248,6 @@ class RowBuffers {
     if (!staged_) return;
     int64_t bytes = 0;
     for (size_t i = 0; i < ins_.size(); ++i) {
-      if (!ins_[i].user) continue;  // a part the op itself fills (comm memory only)
       std::memcpy(in(i), ins_[i].user, ins_[i].bytes);
       bytes += ins_[i].bytes;
     }
@@ -778,13 +776,11 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = n * slots_per_rank;
   const int64_t pairs = p.tokens * p.topk;
   const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
-  // buffer_centric: ct_y and the expert rows are staged in; the rows that
-  // cross land in a third part of the comm buffer (at most one per slot).
-  const bool staged = p.mode == Mode::kBufferCentric;
+  // buffer_centric: ct_y and the expert rows are staged in (owners read a
+  // token's ct_y row from its rank's comm buffer), both results out.
   auto me = std::make_unique<RankState>(
       kCombineBwdName, p, c.device,
-      std::initializer_list<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb},
-                                            {nullptr, staged ? slots_per_rank * rb : 0}},
+      std::initializer_list<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}},
       std::initializer_list<RowBuffers::Out>{{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
   me->bad = CheckLayout(kCombineBwdName, p, c, "pair_slot", pair_slot, pairs, all_slots);
   if (me->bad.empty())
@@ -794,7 +790,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   if (!st.ok) return done(st);
   GlobalStats().ops++;
 
-  enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };  // the scratch: rows.in(2)
+  enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };
   PtrList ptrs = {me->rows.in(0), me->rows.in(1), const_cast<void*>(weights),
                   const_cast<int32_t*>(pair_slot), const_cast<int32_t*>(slot_source),
                   me->rows.out(0), me->rows.out(1)};
@@ -849,31 +845,16 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
         to_dot.in.push_back(ptrs[r][kEy]);
         to_dot.out.push_back(ptrs[r][kDW]);
       }
-      if (direct) {
-        // One pass on the owners: each carried row is read where it comes
-        // from (the carry fused into both readers; its lanes credited once).
-        for (int r = 0; r < n; ++r) to_scale.producer_in.push_back(ptrs[r][kCt]);
-        to_dot.producer_in = to_scale.producer_in;
-        more->phases.push_back(Together(
-            PlanPhase(scale, to_scale, devices, true, false, carry, plans->first_carry),
-            PlanPhase(dots, to_dot, devices, true, false, carry, plans->first_carry, /*credit_producer=*/false)));
-        return;
-      }
-      // buffer_centric: the carry crosses between comm buffers (staged ct_y
-      // into the owners' third part), the owners work there, and every
-      // rank's results are copied out.
-      PlanBuffers to_carry;
-      for (int r = 0; r < n; ++r) {
-        to_carry.in.push_back(ptrs[r][kCt]);
-        void* scratch = ranks[r]->rows.in(2);
-        to_carry.out.push_back(scratch);
-        to_scale.scratch.push_back(scratch);
-        to_dot.scratch.push_back(scratch);
-      }
-      more->phases.push_back(PlanPhase(carry, to_carry, devices, false));
-      more->phases.push_back(Together(PlanPhase(scale, to_scale, devices, false),
-                                      PlanPhase(dots, to_dot, devices, false)));
-      more->phases.push_back(StagePhase(ranks, /*in=*/false));
+      // One pass on the owners: each carried row is read where it comes from
+      // (the carry fused into both readers; its lanes credited once): the
+      // token's ct_y, or in buffer_centric its staged copy in the token's
+      // comm buffer, which peers read as they read a collective's.
+      for (int r = 0; r < n; ++r) to_scale.producer_in.push_back(ptrs[r][kCt]);
+      to_dot.producer_in = to_scale.producer_in;
+      more->phases.push_back(Together(
+          PlanPhase(scale, to_scale, devices, direct, false, carry, plans->first_carry),
+          PlanPhase(dots, to_dot, devices, direct, false, carry, plans->first_carry, /*credit_producer=*/false)));
+      if (!direct) more->phases.push_back(StagePhase(ranks, /*in=*/false));
     };
     join.then = [partition = std::move(partition)](Job* more) mutable { more->phases.push_back(std::move(partition)); };
     owners.then = [builder, ranks, join = std::move(join)](Job* more) mutable {

@@ -206,6 +206,9 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
   if (static_cast<int>(pair_slot.shape(0)) != ranks || static_cast<int64_t>(pair_slot.shape(1)) != tokens * topk)
     throw std::invalid_argument("pair_slot must be [ranks, tokens * top_k]");
   if (op < 0 || op > 2) throw std::invalid_argument("MoE op: 0 dispatch, 1 combine, 2 combine backward");
+  // The weights' width follows from the rows' dtype (the plans' own rule).
+  if (weight_bytes != static_cast<int64_t>(DTypeSize(MoeWeightDType(static_cast<DType>(dtype)))))
+    throw std::invalid_argument("MoE weight_bytes does not match the rows' dtype");
   const Machine m = ToMachine(machine);
   CheckPlacement(rank_npu, ranks);
   auto slots = Rows(pair_slot);

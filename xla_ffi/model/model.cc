@@ -574,10 +574,11 @@ Program MoeCombineBackwardProgram(Plan carry, Plan scale, Plan dots, const MoeOp
   const bool staged = p.mode == Mode::kBufferCentric;
   const int64_t rb = p.row_bytes(), slots = p.local_experts() * p.capacity;
   const int64_t weight_bytes = dots.OutBlockBytes();
-  // What each rank stages in (ct_y, its expert rows; the carried rows land
-  // in a third part) and out (d_expert_y, d_weights), as algorithms/moe.cc.
+  // What each rank stages in (ct_y, its expert rows: owners read a token's
+  // row from its rank's comm buffer) and out (d_expert_y, d_weights), as
+  // algorithms/moe.cc.
   const int64_t in_bytes = p.tokens * rb + slots * rb, out_bytes = slots * rb + p.tokens * p.topk * weight_bytes;
-  if (staged && (in_bytes + slots * rb > p.comm_buffer_bytes || out_bytes > p.comm_buffer_bytes))
+  if (staged && (in_bytes > p.comm_buffer_bytes || out_bytes > p.comm_buffer_bytes))
     throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
   Program prog;
   prog.num_ranks = p.group_size;

@@ -31,20 +31,15 @@ void NameThisThread(const char* name) { pthread_setname_np(pthread_self(), name)
 
 Phase Together(Phase a, Phase b) {
   Phase both;
-  both.count = a.count + b.count;
-  // Alternating while both have tasks: neighbouring tasks of two plans over
-  // the same rows (MoE backward's scale and dots) run at about the same
-  // time, so what one reads is still cached for the other.
-  const uint64_t paired = 2 * std::min(a.count, b.count);
-  both.run = [a = std::move(a.run), b = std::move(b.run), paired, first = a.count](uint64_t i) {
-    if (i < paired) {
-      if (i % 2 == 0) a(i / 2);
-      else b(i / 2);
-    } else if (first > paired / 2) {
-      a(i - paired / 2);
-    } else {
-      b(i - paired / 2);
-    }
+  both.count = std::max(a.count, b.count);
+  // Task i runs a's task i, then b's: neighbouring tasks of two plans over
+  // the same rows (MoE backward's scale and dots, token by token) run on one
+  // thread back to back, so what the first read is still in its cache for
+  // the second (alternating them over the threads left that to the shared
+  // cache, and the backward read its carried rows from memory twice).
+  both.run = [a = std::move(a.run), b = std::move(b.run), a_count = a.count, b_count = b.count](uint64_t i) {
+    if (i < a_count) a(i);
+    if (i < b_count) b(i);
   };
   return both;
 }

@@ -30,8 +30,8 @@ struct Phase {
   std::function<void(Job* more)> then;
 };
 
-// Two phases whose tasks are independent as one (their tasks in one
-// pool, alternating); neither may have a `then`.
+// Two phases whose tasks are independent as one: task i runs a's task i,
+// then b's (the phases' counts may differ); neither may have a `then`.
 Phase Together(Phase a, Phase b);
 
 struct Job {

@@ -15,6 +15,11 @@ namespace {
 
 constexpr double kBytesPerUsPerGbps = 1e3;  // 1 GB/s = 1e9 B/s = 1e3 B/us
 
+// The plan a piece's transfer belongs to.
+const Plan& PlanOf(const ModelPhase& phase, const ModelPiece& piece) {
+  return piece.plan ? *piece.plan : *phase.plan;
+}
+
 int32_t NpuOf(const Program& prog, int rank) {
   return prog.rank_npu.empty() ? rank : prog.rank_npu[rank];
 }
@@ -49,10 +54,11 @@ Pairs PhasePairs(const ModelPhase& phase, int n) {
   };
   for (const ModelPiece& p : phase.pieces) {
     if (p.transfer >= 0) {
-      const Transfer& tr = phase.plan->transfers[p.transfer];
+      const Plan& plan = PlanOf(phase, p);
+      const Transfer& tr = plan.transfers[p.transfer];
       if (p.bytes <= 0) continue;
-      for (uint32_t k = 0; k < tr.src_count; ++k) touch(phase.plan->refs[tr.src_begin + k].rank, p.rank);
-      for (uint32_t k = 0; k < tr.dst_count; ++k) touch(phase.plan->refs[tr.dst_begin + k].rank, p.rank);
+      for (uint32_t k = 0; k < tr.src_count; ++k) touch(plan.refs[tr.src_begin + k].rank, p.rank);
+      for (uint32_t k = 0; k < tr.dst_count; ++k) touch(plan.refs[tr.dst_begin + k].rank, p.rank);
     } else {
       for (uint32_t k = p.io_begin; k < p.io_end; ++k)
         if (phase.io[k].bytes > 0) touch(phase.io[k].rank, p.rank);
@@ -206,9 +212,10 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
         // One DataCopy / descriptor per leg: the piece's columns are one
         // contiguous run of each source and destination block (rows ride
         // on one strided copy).
-        const Transfer& tr = phase.plan->transfers[p.transfer];
+        const Plan& plan = PlanOf(phase, p);
+        const Transfer& tr = plan.transfers[p.transfer];
         legs = tr.src_count + tr.dst_count;
-        moved = phase.plan->PieceBytes(tr, p.bytes);  // a dot plan writes one value per row
+        moved = plan.PieceBytes(tr, p.bytes);  // a dot plan writes one value per row
         msgs = p.bytes > 0 ? legs : 0;
       } else {
         for (uint32_t k = p.io_begin; k < p.io_end; ++k) {
@@ -284,10 +291,10 @@ Result Simulate(const Program& prog, const Machine& m, bool keep_slices, size_t 
         }
       };
       if (piece.transfer >= 0) {
-        const Transfer& tr = phase.plan->transfers[piece.transfer];
-        for (uint32_t k = 0; k < tr.src_count; ++k) visit(phase.plan->refs[tr.src_begin + k].rank, false, piece.bytes);
-        for (uint32_t k = 0; k < tr.dst_count; ++k)
-          visit(phase.plan->refs[tr.dst_begin + k].rank, true, phase.plan->OutBytes(piece.bytes));
+        const Plan& plan = PlanOf(phase, piece);
+        const Transfer& tr = plan.transfers[piece.transfer];
+        for (uint32_t k = 0; k < tr.src_count; ++k) visit(plan.refs[tr.src_begin + k].rank, false, piece.bytes);
+        for (uint32_t k = 0; k < tr.dst_count; ++k) visit(plan.refs[tr.dst_begin + k].rank, true, plan.OutBytes(piece.bytes));
       } else {
         for (uint32_t k = piece.io_begin; k < piece.io_end; ++k) visit(phase.io[k].rank, phase.io[k].write != 0, phase.io[k].bytes);
       }
@@ -597,14 +604,18 @@ Program MoeCombineBackwardProgram(Plan carry, Plan scale, Plan dots, const MoeOp
     prog.phases.push_back(std::move(in));
   }
   // The owners pull their carried rows, then scale them and take the dots
-  // from their own memory (no sync between: each owner waits only for its
-  // own pulls); the values land on the tokens' ranks.
+  // side by side (one phase: each lane its scale pieces, then its dots) from
+  // their own memory (no sync between: each owner waits only for its own
+  // pulls); the values land on the tokens' ranks.
   prog.phases.push_back(ExchangeOf(prog.plans[0], 1, prog.plans[0].on_sdma ? kSdma : kCore));
-  for (int i : {1, 2}) {
-    ModelPhase ph = ExchangeOf(prog.plans[i], 1, kCore);
-    ph.sync_before = false;
-    prog.phases.push_back(std::move(ph));
+  ModelPhase work = ExchangeOf(prog.plans[1], 1, kCore);
+  ModelPhase dot_pieces = ExchangeOf(prog.plans[2], 1, kCore);
+  for (ModelPiece& piece : dot_pieces.pieces) {
+    piece.plan = &prog.plans[2];
+    work.pieces.push_back(piece);
   }
+  work.sync_before = false;
+  prog.phases.push_back(std::move(work));
   if (staged) {
     ModelPhase out;
     out.kind = kStageOut;

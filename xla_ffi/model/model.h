@@ -72,6 +72,9 @@ struct ModelPiece {
   int32_t transfer = -1;
   int64_t bytes = 0;
   uint32_t io_begin = 0, io_end = 0;
+  // The plan `transfer` names when not the phase's (a phase running two
+  // plans' pieces side by side: MoE backward's scale and dots).
+  const Plan* plan = nullptr;
 };
 
 enum PhaseKind : int32_t { kExchange = 0, kStageIn = 1, kStageOut = 2 };

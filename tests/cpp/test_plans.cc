@@ -1058,14 +1058,12 @@ void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
     return out;
   };
   const auto ct = random(tokens * hidden), ey = random(per_rank * hidden), w = random(pairs);
-  std::vector<std::vector<int32_t>> sources(n, std::vector<int32_t>(per_rank, -1));
-  for (int r = 0; r < n; ++r)
-    for (int64_t i = 0; i < pairs; ++i)
-      if (slots[r][i] >= 0) sources[slots[r][i] / per_rank][slots[r][i] % per_rank] = static_cast<int32_t>(r * pairs + i);
   std::vector<const int32_t*> slot_ptrs, source_ptrs;
   std::vector<const void*> w_ptrs;
-  for (int r = 0; r < n; ++r)
-    slot_ptrs.push_back(slots[r].data()), source_ptrs.push_back(sources[r].data()), w_ptrs.push_back(w[r].data());
+  for (int r = 0; r < n; ++r) slot_ptrs.push_back(slots[r].data()), w_ptrs.push_back(w[r].data());
+  std::vector<std::vector<int32_t>> sources;
+  CHECK(MoeSlotSources(p, slot_ptrs, &sources).ok, "moe_combine_backward: slot_source refused");
+  for (int r = 0; r < n; ++r) source_ptrs.push_back(sources[r].data());
   std::ostringstream name;
   name << "moe_combine_backward n=" << n << " E=" << experts << " T=" << tokens << " K=" << topk << " C=" << capacity
        << " H=" << hidden << " " << PlannerName(planner) << (staged ? " staged" : "");

@@ -166,9 +166,9 @@ class RowBuffers {
     int64_t bytes;
   };
 
-  // Held inline (at most the combine backward's 3 in, 2 out): two vectors
+  // Held inline (at most the combine backward's 2 in, 2 out): two vectors
   // were two allocations per rank per op.
-  static constexpr size_t kMaxIns = 3, kMaxOuts = 2;
+  static constexpr size_t kMaxIns = 2, kMaxOuts = 2;
   template <typename T, size_t kMax>
   struct Few {
     Few(std::initializer_list<T> items) : count(items.size()) {

@@ -222,6 +222,25 @@ Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_
   return Status::Ok();
 }
 
+Status MoeSlotSources(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
+                      std::vector<std::vector<int32_t>>* slot_source) {
+  const int n = p.group_size;
+  const int64_t pairs = p.tokens * p.topk, per_rank = p.local_experts() * p.capacity;
+  slot_source->assign(n, std::vector<int32_t>(per_rank, -1));
+  for (int r = 0; r < n; ++r)
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int32_t slot = pair_slot[r][i];
+      if (slot == -1) continue;
+      if (slot < -1 || slot >= n * per_rank) {
+        std::ostringstream os;
+        os << kName << ": rank " << r << "'s pair_slot[" << i << "] = " << slot << " is outside [-1, " << n * per_rank << ")";
+        return Status::Error(os.str());
+      }
+      (*slot_source)[slot / per_rank][slot % per_rank] = static_cast<int32_t>(r * pairs + i);
+    }
+  return Status::Ok();
+}
+
 void PartitionMoeBackwardPlan(const MoeOpShape& p, MoeBackwardPlans* plans, int which, double descriptor_us,
                               double sdma_gbps) {
   if (which == 0) {

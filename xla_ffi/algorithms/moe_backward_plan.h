@@ -79,6 +79,12 @@ Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_
                              const std::vector<const int32_t*>& slot_source,
                              const std::vector<const void*>& weights, MoeBackwardPlans* plans);
 
+// The dispatch's slot_source from its pair_slot (each filled slot names its
+// pair as r * tokens * topk + pair; -1 elsewhere): for callers that have
+// only the slots (the model). A slot outside [-1, slots) is an error.
+Status MoeSlotSources(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
+                      std::vector<std::vector<int32_t>>* slot_source);
+
 // Partitions plan `which` (0 carry, 1 scale, 2 dots) as the runtime and the
 // model both run it: the carry on SDMA engines or cores by the movement rule
 // (MovesOnSdma over the busiest rank's bytes, with these figures), scale

@@ -246,19 +246,13 @@ nb::dict ModelMoe(int op, int ranks, int experts, int64_t tokens, int64_t topk, 
       prog = MoeCombineProgram(std::move(plans.partials), std::move(plans.sums), shape, m);
     } else {
       // The dispatch's other field, slot_source, from its pair_slot.
-      const int64_t pairs = tokens * topk, per_rank = experts / ranks * capacity;
-      std::vector<std::vector<int32_t>> sources(ranks, std::vector<int32_t>(per_rank, -1));
-      for (int rank = 0; rank < ranks; ++rank)
-        for (int64_t i = 0; i < pairs; ++i) {
-          const int32_t slot = slots[rank][i];
-          if (slot == -1) continue;
-          if (slot < -1 || slot >= ranks * per_rank) throw std::invalid_argument("pair_slot outside the experts' capacity");
-          sources[slot / per_rank][slot % per_rank] = static_cast<int32_t>(rank * pairs + i);
-        }
+      std::vector<std::vector<int32_t>> sources;
+      Status st = MoeSlotSources(shape, rank_slots, &sources);
+      if (!st.ok) throw std::invalid_argument(st.message);
       std::vector<const int32_t*> rank_sources(ranks);
       for (int rank = 0; rank < ranks; ++rank) rank_sources[rank] = sources[rank].data();
       MoeBackwardPlans plans;
-      const Status st = BuildMoeBackwardPlans(shape, rank_slots, rank_sources, {}, &plans);
+      st = BuildMoeBackwardPlans(shape, rank_slots, rank_sources, {}, &plans);
       if (!st.ok) throw std::invalid_argument(st.message);
       PartitionMoeBackwardPlans(shape, &plans, m.sdma_descriptor_us, m.sdma_gbps);
       prog = MoeCombineBackwardProgram(std::move(plans.carry), std::move(plans.scale), std::move(plans.dots), shape, m);

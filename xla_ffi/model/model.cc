@@ -528,6 +528,31 @@ Program PlanProgram(Plan plan, const OpParams& op_params, const Machine& m) {
   }, p.mode == Mode::kBufferCentric ? &runs : nullptr);
 }
 
+namespace {
+// An MoE op's program over p's group (buffer_centric ends with its copy-out,
+// so without a final sync), room reserved for `plans` plans (phases point
+// into them: never grows past this).
+Program MoeProgram(const MoeOpShape& p, size_t plans) {
+  Program prog;
+  prog.num_ranks = p.group_size;
+  prog.cores = p.cores;
+  prog.engines = p.engines;
+  prog.sync_end = p.mode != Mode::kBufferCentric;
+  prog.plans.reserve(plans);
+  return prog;
+}
+// buffer_centric's copy-out: each rank copies `bytes` of results out of its
+// comm buffer once every peer is done with it.
+ModelPhase StageOut(const MoeOpShape& p, int64_t bytes) {
+  ModelPhase out;
+  out.kind = kStageOut;
+  out.lanes = kCore;
+  out.sync_before = true;
+  for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, bytes, p.cores);
+  return out;
+}
+}  // namespace
+
 Program MoeCombineProgram(Plan partials, Plan sums, const MoeOpShape& p, const Machine& m) {
   const bool staged = p.mode == Mode::kBufferCentric;
   if (staged) {
@@ -535,12 +560,7 @@ Program MoeCombineProgram(Plan partials, Plan sums, const MoeOpShape& p, const M
     if (p.local_experts() * p.capacity * rb > p.comm_buffer_bytes || p.tokens * rb > p.comm_buffer_bytes)
       throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
   }
-  Program prog;
-  prog.num_ranks = p.group_size;
-  prog.cores = p.cores;
-  prog.engines = p.engines;
-  prog.sync_end = !staged;
-  prog.plans.reserve(2);  // phases point into it: never grows past this
+  Program prog = MoeProgram(p, 2);
   prog.plans.push_back(std::move(partials));
   prog.plans.push_back(std::move(sums));
   for (Plan& plan : prog.plans) Partition(plan, p.cores, p.planner);
@@ -549,14 +569,7 @@ Program MoeCombineProgram(Plan partials, Plan sums, const MoeOpShape& p, const M
   if (staged) partial_phase.kind = kStageIn;
   if (!partial_phase.pieces.empty()) prog.phases.push_back(std::move(partial_phase));
   prog.phases.push_back(ExchangeOf(prog.plans[1], 1, kCore));
-  if (staged) {
-    ModelPhase out;
-    out.kind = kStageOut;
-    out.lanes = kCore;
-    out.sync_before = true;  // every peer's reads of this rank's buffer are done
-    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, p.tokens * p.row_bytes(), p.cores);
-    prog.phases.push_back(std::move(out));
-  }
+  if (staged) prog.phases.push_back(StageOut(p, p.tokens * p.row_bytes()));
   return prog;
 }
 
@@ -587,12 +600,7 @@ Program MoeCombineBackwardProgram(Plan carry, Plan scale, Plan dots, const MoeOp
   const int64_t in_bytes = p.tokens * rb + slots * rb, out_bytes = slots * rb + p.tokens * p.topk * weight_bytes;
   if (staged && (in_bytes > p.comm_buffer_bytes || out_bytes > p.comm_buffer_bytes))
     throw std::invalid_argument("buffer_centric mode needs more communication buffer than comm_buffer_bytes");
-  Program prog;
-  prog.num_ranks = p.group_size;
-  prog.cores = p.cores;
-  prog.engines = p.engines;
-  prog.sync_end = !staged;
-  prog.plans.reserve(3);  // phases point into it: never grows past this
+  Program prog = MoeProgram(p, 3);
   prog.plans.push_back(std::move(carry));
   prog.plans.push_back(std::move(scale));
   prog.plans.push_back(std::move(dots));
@@ -616,14 +624,7 @@ Program MoeCombineBackwardProgram(Plan carry, Plan scale, Plan dots, const MoeOp
   }
   work.sync_before = false;
   prog.phases.push_back(std::move(work));
-  if (staged) {
-    ModelPhase out;
-    out.kind = kStageOut;
-    out.lanes = kCore;
-    out.sync_before = true;  // every peer's writes into this rank's buffer are in
-    for (int r = 0; r < p.group_size; ++r) AddLocalCopies(out, r, out_bytes, p.cores);
-    prog.phases.push_back(std::move(out));
-  }
+  if (staged) prog.phases.push_back(StageOut(p, out_bytes));
   return prog;
 }
 

@@ -293,30 +293,42 @@ inline const char* SourceAt(const Plan& plan, const BlockRef& b, int64_t row, in
 // columns [c0, c0 + n elements) of row `row`: the producer's work fused into
 // its reader's. With weight 1 the last source's product, the rounding and
 // the add are one kernel (AxpyAddRoundedRow), as the NPU's owner rounds a
-// partial it sends and the reader adds it.
+// partial it sends and the reader adds it. `fresh`: acc holds nothing yet
+// (the sum's first term), so it is stored, not added (StartSumRow: the same
+// bits as adding it to zeros, without a pass to zero acc first).
 void AddProduced(const Plan& producer, const Transfer& pt, int64_t row, int64_t c0, int64_t n, double weight,
-                 const View& v, void* acc, void* part, void* rounded) {
+                 const View& v, void* acc, bool fresh, void* part, void* rounded) {
   const DType dtype = producer.dtype;
   const size_t acc_size = dtype == DType::F64 ? 8 : 4;
   auto source = [&](uint32_t k) {
     const BlockRef& b = producer.refs[pt.src_begin + k];
     return v.producer_in[b.rank] + row * v.in_row_stride + b.block * v.block_stride + c0;
   };
-  if (pt.src_count == 0) return;  // a sum of nothing adds zeros
-  if (producer.local_sums && pt.src_count == 1 && producer.weights[pt.src_begin] == 1.0) {
-    AxpyRow(dtype, acc, source(0), weight, n);  // a copy, weighted where it is read
+  auto zero = [n, acc_size](void* to) { std::memset(to, 0, static_cast<size_t>(n) * acc_size); };
+  if (pt.src_count == 0) {  // a sum of nothing adds zeros
+    if (fresh) zero(acc);
     return;
   }
-  std::memset(part, 0, static_cast<size_t>(n) * acc_size);
-  for (uint32_t k = 0; k + 1 < pt.src_count; ++k) AxpyRow(dtype, part, source(k), producer.weights[pt.src_begin + k], n);
+  if (producer.local_sums && pt.src_count == 1 && producer.weights[pt.src_begin] == 1.0) {
+    // A copy, weighted where it is read.
+    (fresh ? StartSumRow : AxpyRow)(dtype, acc, source(0), weight, n);
+    return;
+  }
   const uint32_t last = pt.src_count - 1;
+  if (last > 0) {
+    StartSumRow(dtype, part, source(0), producer.weights[pt.src_begin], n);
+  } else {
+    zero(part);
+  }
+  for (uint32_t k = 1; k < last; ++k) AxpyRow(dtype, part, source(k), producer.weights[pt.src_begin + k], n);
   if (weight == 1.0) {
+    if (fresh) zero(acc);
     AxpyAddRoundedRow(dtype, acc, part, source(last), producer.weights[pt.src_begin + last], n);
     return;
   }
   AxpyRow(dtype, part, source(last), producer.weights[pt.src_begin + last], n);
   StoreSum(dtype, rounded, part, n);
-  AxpyRow(dtype, acc, rounded, weight, n);
+  (fresh ? StartSumRow : AxpyRow)(dtype, acc, rounded, weight, n);
 }
 
 // Asks the cache for columns [c0, c1) of a weighted transfer's sources
@@ -352,7 +364,6 @@ void PrefetchSources(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1
 void RunWeighted(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, const View& v) {
   const DType dtype = plan.dtype;
   const int64_t n = (c1 - c0) / static_cast<int64_t>(DTypeSize(dtype));
-  const size_t acc_size = dtype == DType::F64 ? 8 : 4;
   for (int64_t row = 0; row < v.rows; ++row) {
     auto dst = [&](uint32_t k) {
       const BlockRef& b = plan.refs[t.dst_begin + k];
@@ -374,20 +385,31 @@ void RunWeighted(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, co
       for (uint32_t k = 1; k < t.dst_count; ++k) std::memcpy(dst(k), dst(0), c1 - c0);
       continue;
     }
+    // The sum accumulates in the first destination itself when the rows are
+    // of the accumulation type (float32, float64: storing it would be a
+    // copy, a pass over the row for nothing), else in the thread's scratch.
+    // In place assumes no destination is a source, as no plan's is (outputs
+    // and comm buffers are never an op's inputs).
     double* const scratch = SumScratch(n, 3);
-    void* const acc = scratch;
-    std::memset(acc, 0, static_cast<size_t>(n) * acc_size);
+    const bool in_place = dtype == DType::F32 || dtype == DType::F64;
+    void* const acc = in_place ? static_cast<void*>(dst(0)) : scratch;
     for (uint32_t k = 0; k < t.src_count; ++k) {
       const BlockRef& b = plan.refs[t.src_begin + k];
       const double w = plan.weights[t.src_begin + k];
       if (const char* at = SourceAt(plan, b, row, c0, v)) {
-        AxpyRow(dtype, acc, at, w, n);
+        (k == 0 ? StartSumRow : AxpyRow)(dtype, acc, at, w, n);  // the first stored: no zeroing pass
       } else {
         const Transfer& pt = v.producer->transfers[v.producer_first[b.rank] + (b.block - plan.in_blocks)];
-        AddProduced(*v.producer, pt, row, c0, n, w, v, acc, scratch + n, scratch + 2 * n);
+        AddProduced(*v.producer, pt, row, c0, n, w, v, acc, k == 0, scratch + n, scratch + 2 * n);
       }
     }
-    for (uint32_t k = 0; k < t.dst_count; ++k) StoreSum(dtype, dst(k), acc, n);
+    for (uint32_t k = in_place ? 1 : 0; k < t.dst_count; ++k) {
+      if (in_place) {
+        std::memcpy(dst(k), acc, c1 - c0);
+      } else {
+        StoreSum(dtype, dst(k), acc, n);
+      }
+    }
   }
 }
 

@@ -16,6 +16,7 @@ struct IsaEntry {
   AxpyAddRoundedRowFn axpy_add_rounded;
   NarrowRowFn narrow;
   ScaleRowFn scale;
+  StartSumRowFn start_sum;
   DotRowFn dot;
   bool (*supported)();
 };
@@ -37,16 +38,16 @@ bool Always() { return true; }
 
 // Narrowest first.
 const IsaEntry kIsas[] = {
-    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AxpyAddRoundedRow, &isa_baseline::NarrowRow, &isa_baseline::ScaleRow, &isa_baseline::DotRow, &Always},
+    {"baseline", &isa_baseline::ReduceInto, &isa_baseline::AxpyRow, &isa_baseline::AxpyAddRoundedRow, &isa_baseline::NarrowRow, &isa_baseline::ScaleRow, &isa_baseline::StartSumRow, &isa_baseline::DotRow, &Always},
 #ifdef STRATA_REDUCE_HAVE_AVX2
-    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AxpyAddRoundedRow, &isa_avx2::NarrowRow, &isa_avx2::ScaleRow, &isa_avx2::DotRow, &CpuHasAvx2},
+    {"avx2", &isa_avx2::ReduceInto, &isa_avx2::AxpyRow, &isa_avx2::AxpyAddRoundedRow, &isa_avx2::NarrowRow, &isa_avx2::ScaleRow, &isa_avx2::StartSumRow, &isa_avx2::DotRow, &CpuHasAvx2},
 #else
-    {"avx2", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &CpuHasAvx2},
+    {"avx2", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &CpuHasAvx2},
 #endif
 #ifdef STRATA_REDUCE_HAVE_AVX512
-    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AxpyAddRoundedRow, &isa_avx512::NarrowRow, &isa_avx512::ScaleRow, &isa_avx512::DotRow, &CpuHasAvx512},
+    {"avx512", &isa_avx512::ReduceInto, &isa_avx512::AxpyRow, &isa_avx512::AxpyAddRoundedRow, &isa_avx512::NarrowRow, &isa_avx512::ScaleRow, &isa_avx512::StartSumRow, &isa_avx512::DotRow, &CpuHasAvx512},
 #else
-    {"avx512", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &CpuHasAvx512},
+    {"avx512", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &CpuHasAvx512},
 #endif
 };
 constexpr int kNumIsas = sizeof(kIsas) / sizeof(kIsas[0]);
@@ -141,6 +142,10 @@ void NarrowRow(DType row_dtype, void* out, const void* acc, int64_t n) {
 
 void ScaleRow(DType row_dtype, void* out, const void* row, double w, int64_t n) {
   g_isa.load(std::memory_order_relaxed)->scale(row_dtype, out, row, w, n);
+}
+
+void StartSumRow(DType row_dtype, void* acc, const void* row, double w, int64_t n) {
+  g_isa.load(std::memory_order_relaxed)->start_sum(row_dtype, acc, row, w, n);
 }
 
 double DotRow(DType row_dtype, const void* a, const void* b, int64_t n) {

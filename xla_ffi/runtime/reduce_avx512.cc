@@ -30,6 +30,8 @@ void NarrowRow(DType dtype, void* out, const void* acc, int64_t n) { NarrowRowIm
 
 void ScaleRow(DType dtype, void* out, const void* row, double w, int64_t n) { ScaleRowImpl(dtype, out, row, w, n); }
 
+void StartSumRow(DType dtype, void* acc, const void* row, double w, int64_t n) { StartSumRowImpl(dtype, acc, row, w, n); }
+
 double DotRow(DType dtype, const void* a, const void* b, int64_t n) { return DotRowImpl(dtype, a, b, n); }
 
 }  // namespace isa_avx512

@@ -22,6 +22,7 @@ using AxpyRowFn = void (*)(DType, void*, const void*, double, int64_t);
 using AxpyAddRoundedRowFn = void (*)(DType, void*, const void*, const void*, double, int64_t);
 using NarrowRowFn = void (*)(DType, void*, const void*, int64_t);
 using ScaleRowFn = void (*)(DType, void*, const void*, double, int64_t);
+using StartSumRowFn = void (*)(DType, void*, const void*, double, int64_t);
 using DotRowFn = double (*)(DType, const void*, const void*, int64_t);
 
 namespace isa_baseline {
@@ -30,6 +31,7 @@ void AxpyRow(DType, void*, const void*, double, int64_t);
 void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 void NarrowRow(DType, void*, const void*, int64_t);
 void ScaleRow(DType, void*, const void*, double, int64_t);
+void StartSumRow(DType, void*, const void*, double, int64_t);
 double DotRow(DType, const void*, const void*, int64_t);
 }
 namespace isa_avx2 {
@@ -38,6 +40,7 @@ void AxpyRow(DType, void*, const void*, double, int64_t);
 void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 void NarrowRow(DType, void*, const void*, int64_t);
 void ScaleRow(DType, void*, const void*, double, int64_t);
+void StartSumRow(DType, void*, const void*, double, int64_t);
 double DotRow(DType, const void*, const void*, int64_t);
 }
 namespace isa_avx512 {
@@ -46,6 +49,7 @@ void AxpyRow(DType, void*, const void*, double, int64_t);
 void AxpyAddRoundedRow(DType, void*, const void*, const void*, double, int64_t);
 void NarrowRow(DType, void*, const void*, int64_t);
 void ScaleRow(DType, void*, const void*, double, int64_t);
+void StartSumRow(DType, void*, const void*, double, int64_t);
 double DotRow(DType, const void*, const void*, int64_t);
 }
 
@@ -70,6 +74,10 @@ void NarrowRow(DType row_dtype, void* out, const void* acc, int64_t n);
 // rounded to row_dtype, for F32, F64 and BF16 rows (F16 rows: AxpyRow and
 // the caller's own conversion, as for NarrowRow).
 void ScaleRow(DType row_dtype, void* out, const void* row, double w, int64_t n);
+// A weighted sum's first row: acc[i] = 0 + w * row[i] in the accumulation
+// type (as AxpyRow's acc), the same bits as zeroing acc and AxpyRow, one pass
+// (MoE combine's sums and partials: a memset per row saved).
+void StartSumRow(DType row_dtype, void* acc, const void* row, double w, int64_t n);
 // MoE combine's backward, a d_weights value: the dot product of two rows
 // (F32, F64, F16, BF16) in eight interleaved float32 partial sums (float64
 // for F64 rows), the same bits in every variant.

@@ -91,7 +91,7 @@ else
   # detect_deadlocks=0: XLA's compiler holds more locks at once than the
   # lock-order detector can track, and TSan then dies on an internal CHECK.
   export TSAN_OPTIONS="allocator_may_return_null=1:ignore_noninstrumented_modules=1:detect_deadlocks=0:halt_on_error=0:exitcode=0:report_signal_unsafe=0:log_path=$log_dir/tsan:suppressions=$supp:history_size=4"
-  tests=("$root"/tests/test_collectives.py "$root"/tests/test_moe.py "$root"/tests/test_safety.py "$root"/tests/test_trust.py "$root"/tests/test_resume.py)
+  tests=("$root"/tests/test_collectives.py "$root"/tests/test_moe.py "$root"/tests/test_moe_traffic.py "$root"/tests/test_safety.py "$root"/tests/test_trust.py "$root"/tests/test_resume.py)
 fi
 
 # SANITIZE_TESTS="tests/a.py tests/b.py" replaces the default selection.

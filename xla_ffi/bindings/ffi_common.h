@@ -7,7 +7,9 @@
 #include <string>
 
 #include <functional>
+#include <initializer_list>
 #include <memory>
+#include <vector>
 
 #include "../runtime/dtypes.h"
 #include "../runtime/executor.h"
@@ -15,6 +17,11 @@
 #include "../runtime/stats.h"
 #include "../runtime/status.h"
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#define STRATA_TSAN 1
+#endif
 
 namespace strata::ffi_common {
 
@@ -117,9 +124,28 @@ inline void SettleNow(ffi::Promise& promise, const Status& st) {
 // rank; resumer threads instead run ranks' programs on one after another.
 // (Polling up to 500 us + 100 us per rank was 1.5-2x slower than this at 8,
 // 64 and 384 ranks; see BENCHMARKS.md.)
+//
+// It also tells TSan the one ordering XLA makes that TSan cannot see (jaxlib
+// is not instrumented): an op that reads a buffer another op wrote starts
+// only after that op's future is settled, so what the writer's workers
+// stored is there for the reader's handler (MoE combine checks the
+// pair_slot its dispatch's workers placed). The completion releases every
+// result buffer, the handler acquires every operand: the edge XLA's
+// dataflow makes, buffer by buffer, and no other. Nothing in other builds.
 class Handoff {
  public:
-  Handoff() : state_(new State) {}
+  // inputs: the operand buffers the op reads; outputs: the result buffers
+  // it writes (for TSan, above).
+  Handoff(std::initializer_list<const void*> inputs, std::initializer_list<const void*> outputs)
+      : state_(new State) {
+#ifdef STRATA_TSAN
+    for (const void* in : inputs) __tsan_acquire(const_cast<void*>(in));
+    state_->outputs.assign(outputs.begin(), outputs.end());
+#else
+    (void)inputs;
+    (void)outputs;
+#endif
+  }
   Handoff(const Handoff&) = delete;
   Handoff& operator=(const Handoff&) = delete;
   // Result() gives up the handler's share; a handler that never got there
@@ -139,6 +165,10 @@ class Handoff {
   std::function<void(const Status&)> Completion() {
     completion_out_ = true;
     return [state = state_](const Status& st) {
+#ifdef STRATA_TSAN
+      // On the thread that finished the op, before XLA can hear of it.
+      for (const void* out : state->outputs) __tsan_release(const_cast<void*>(out));
+#endif
       state->status = st;  // read by the handler only once it sees kDone
       int waiting = kWaiting;
       if (state->phase.compare_exchange_strong(waiting, kDone, std::memory_order_acq_rel)) {
@@ -183,6 +213,9 @@ class Handoff {
     std::atomic<int> shares{2};  // the handler's and the completion's
     Status status;
     ffi::Promise promise;
+#ifdef STRATA_TSAN
+    std::vector<const void*> outputs;
+#endif
   };
   static void Release(State* state) {
     if (state->shares.fetch_sub(1, std::memory_order_acq_rel) == 1) delete state;

@@ -93,7 +93,7 @@ ffi::Future CollectiveImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   static_cast<CallSite&>(c) = ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance);
   c.in = x.untyped_data();
   c.out = out->untyped_data();
-  ffi_common::Handoff handoff;
+  ffi_common::Handoff handoff({c.in}, {c.out});
   RunCollectiveAsync(p, c, handoff.Completion());
   return handoff.Result();
 }

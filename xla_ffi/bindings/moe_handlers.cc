@@ -109,7 +109,9 @@ ffi::Future DispatchImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, f
       !HasDims(slot_source->dimensions(), {el, capacity}) ||
       !HasDims(recv_counts->dimensions(), {el}) || dropped->element_count() != 1)
     return Failed(Invalid(kDispatch, "result shapes do not match the operands"));
-  ffi_common::Handoff handoff;
+  ffi_common::Handoff handoff({x.untyped_data(), ids.data},
+                              {recv_x->untyped_data(), pair_slot->untyped_data(), slot_source->untyped_data(),
+                               recv_counts->untyped_data(), dropped->untyped_data()});
   MoeDispatchAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance), x.untyped_data(),
                    ids, recv_x->untyped_data(), pair_slot->typed_data(),
                    slot_source->typed_data(), recv_counts->typed_data(), dropped->typed_data(),
@@ -163,7 +165,8 @@ ffi::Future CombineImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool, ff
     return Failed(std::move(*err));
   if (y->element_type() != expert_y.element_type() || !HasDims(y->dimensions(), {p.tokens, p.hidden}))
     return Failed(Invalid(kCombine, "y must be [T, H] of expert_y's dtype"));
-  ffi_common::Handoff handoff;
+  ffi_common::Handoff handoff({expert_y.untyped_data(), weights.untyped_data(), pair_slot.untyped_data()},
+                              {y->untyped_data()});
   MoeCombineAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance), expert_y.untyped_data(),
                   weights.untyped_data(), pair_slot.typed_data(), y->untyped_data(),
                   handoff.Completion());
@@ -192,7 +195,9 @@ ffi::Future CombineBackwardImpl(int32_t device, ffi::RunId run, ffi::ThreadPool 
       d_weights->element_type() != weights.element_type() ||
       !HasDims(d_weights->dimensions(), {p.tokens, p.topk}))
     return Failed(Invalid(kCombineBackward, "backward operand shapes do not match"));
-  ffi_common::Handoff handoff;
+  ffi_common::Handoff handoff({ct_y.untyped_data(), expert_y.untyped_data(), weights.untyped_data(),
+                               pair_slot.untyped_data(), slot_source.untyped_data()},
+                              {d_expert_y->untyped_data(), d_weights->untyped_data()});
   MoeCombineBackwardAsync(p, MakeCall(device, run, meta, site_id, timeout_ms, instance),
                           ct_y.untyped_data(), expert_y.untyped_data(), weights.untyped_data(),
                           pair_slot.typed_data(), slot_source.typed_data(),

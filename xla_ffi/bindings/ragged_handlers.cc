@@ -93,7 +93,7 @@ ffi::Future RaggedImpl(int32_t device, ffi::RunId run, ffi::ThreadPool pool,
   b.send_sizes = send_sizes.untyped_data();
   b.output_offsets = output_offsets.untyped_data();
   b.recv_sizes = recv_sizes.untyped_data();
-  ffi_common::Handoff handoff;
+  ffi_common::Handoff handoff({b.operand, b.input_offsets, b.send_sizes, b.output_offsets, b.recv_sizes}, {b.out});
   RaggedAllToAllAsync(p, ffi_common::DecodeCallSite(device, run, meta, site_id, timeout_ms, instance), b,
                       handoff.Completion());
   return handoff.Result();

@@ -1241,16 +1241,13 @@ void CheckRowKernels() {
         CHECK(same(dot, first_dot), "DotRow " << where << ": " << dot << " vs " << first_dot);
         {
           // StartSumRow: the same accumulator as zeroing it and AxpyRow (F16 too).
-          const size_t as = dt == DType::F64 ? 8 : 4;
-          std::vector<uint8_t> started(n * as, 0xA5), added(n * as, 0);
+          const DType acc_dt = dt == DType::F64 ? DType::F64 : DType::F32;
+          std::vector<uint8_t> started(n * DTypeSize(acc_dt), 0xA5), added(n * DTypeSize(acc_dt), 0);
           StartSumRow(dt, started.data(), a.data(), w, n);
           AxpyRow(dt, added.data(), a.data(), w, n);
-          for (int64_t i = 0; i < n; ++i) {
-            const bool nan = as == 8 ? std::isnan(value(DType::F64, started, i)) && std::isnan(value(DType::F64, added, i))
-                                     : std::isnan(value(DType::F32, started, i)) && std::isnan(value(DType::F32, added, i));
-            CHECK(nan || std::memcmp(started.data() + i * as, added.data() + i * as, as) == 0,
+          for (int64_t i = 0; i < n; ++i)
+            CHECK(same(value(acc_dt, started, i), value(acc_dt, added, i)),
                   "StartSumRow " << where << " element " << i << " differs from zeros + AxpyRow");
-          }
         }
         if (dt == DType::F16) continue;  // no ScaleRow: StoreSum's own conversion
         std::vector<uint8_t> scaled(n * es, 0xA5), general(n * es, 0x5A);

@@ -403,12 +403,10 @@ void RunWeighted(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, co
         AddProduced(*v.producer, pt, row, c0, n, w, v, acc, k == 0, scratch + n, scratch + 2 * n);
       }
     }
-    for (uint32_t k = in_place ? 1 : 0; k < t.dst_count; ++k) {
-      if (in_place) {
-        std::memcpy(dst(k), acc, c1 - c0);
-      } else {
-        StoreSum(dtype, dst(k), acc, n);
-      }
+    if (in_place) {
+      for (uint32_t k = 1; k < t.dst_count; ++k) std::memcpy(dst(k), acc, c1 - c0);
+    } else {
+      for (uint32_t k = 0; k < t.dst_count; ++k) StoreSum(dtype, dst(k), acc, n);
     }
   }
 }

@@ -619,6 +619,48 @@ std::shared_ptr<Plans> AcquirePooled() {
     if (pool.size() < kKept) pool.push_back(std::move(owned));
   });
 }
+
+// Combine's shares: one per rank per op, so the pool keeps a few groups'
+// worth, up to a byte budget (memory stays flat at any group size).
+std::shared_ptr<MoeCombineShare> AcquireShare() {
+  constexpr int64_t kKeptBytes = int64_t{64} << 20;
+  static std::mutex& mu = *new std::mutex;  // never destroyed: workers may run at exit
+  static auto& pool = *new std::vector<std::unique_ptr<MoeCombineShare>>;
+  static int64_t kept_bytes = 0;
+  std::unique_ptr<MoeCombineShare> share;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!pool.empty()) {
+      share = std::move(pool.back());
+      pool.pop_back();
+      kept_bytes -= share->CapacityBytes();
+    }
+  }
+  if (!share) share = std::make_unique<MoeCombineShare>();
+  return std::shared_ptr<MoeCombineShare>(share.release(), [](MoeCombineShare* done) {
+    std::unique_ptr<MoeCombineShare> owned(done);
+    const int64_t bytes = owned->CapacityBytes();
+    std::lock_guard<std::mutex> lock(mu);
+    if (kept_bytes + bytes > kKeptBytes) return;
+    kept_bytes += bytes;
+    pool.push_back(std::move(owned));
+  });
+}
+
+struct CombineRank : RankState {
+  using RankState::RankState;
+  // This rank's share of the op's plans, built from its own routing before it
+  // joined (algorithms/moe_combine_plan.h).
+  std::shared_ptr<MoeCombineShare> share;
+};
+
+using Shares = std::vector<std::shared_ptr<const MoeCombineShare>>;
+std::vector<const MoeCombineShare*> Views(const Shares& shares) {
+  std::vector<const MoeCombineShare*> views;
+  views.reserve(shares.size());
+  for (const auto& share : shares) views.push_back(share.get());
+  return views;
+}
 }  // namespace
 
 void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
@@ -632,13 +674,30 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
                               DTypeName(p.dtype)));
   const int64_t el = p.local_experts(), cap = p.capacity, k_top = p.topk;
   const int64_t rb = p.row_bytes(), slots_per_rank = el * cap, all_slots = p.group_size * slots_per_rank;
-  auto me = std::make_unique<RankState>(kCombineName, p, c.device,
-                                        std::initializer_list<RowBuffers::In>{{expert_y, slots_per_rank * rb}},
-                                        std::initializer_list<RowBuffers::Out>{{y, p.tokens * rb}});
+  auto me = std::make_unique<CombineRank>(kCombineName, p, c.device,
+                                          std::initializer_list<RowBuffers::In>{{expert_y, slots_per_rank * rb}},
+                                          std::initializer_list<RowBuffers::Out>{{y, p.tokens * rb}});
   me->bad = CheckLayout(kCombineName, p, c, "pair_slot", pair_slot, p.tokens * k_top, all_slots);
   st = me->rows.Acquire();
   if (!st.ok) return done(st);
   GlobalStats().ops++;
+  // y[t] = from zero, over the ranks r holding t's pairs, ascending, in the
+  // accumulation type: w * expert row if r holds one of t's pairs (the row
+  // crosses as it is), else r's partial, the sum of w * row over t's pairs
+  // on r in k order, rounded to the rows' dtype (the one row that crosses
+  // back); y is that rounded to the rows' dtype. Same order in both modes
+  // and in moe.py's references. As two plans (algorithms/moe_combine_plan.h)
+  // of which this rank's share (its tokens' sums, the partials they make)
+  // depends on its own slots and weights alone: it is built here, before the
+  // rank joins, while its peers are still on their way (built at the
+  // rendezvous, the plans were an eighth of a combine's time there).
+  const bool direct = me->rows.direct();
+  if (me->bad.empty()) {
+    me->share = AcquireShare();
+    const Status built = BuildMoeCombineShare(p, /*stage_all=*/!direct, c.rank, pair_slot, weights, me->share.get());
+    if (!built.ok) me->bad = Where(kCombineName, p, c) + built.message;
+    else if (direct) Partition(me->share->sums, p.cores, p.planner);  // its lanes: this rank's NPU's
+  }
 
   enum { kEy = 0, kW, kSlots, kY };
   PtrList ptrs = {me->rows.in(0), const_cast<void*>(weights), const_cast<int32_t*>(pair_slot),
@@ -646,59 +705,58 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   Launch(kCombineName, p, c, std::move(me), std::move(ptrs),  // &p: see dispatch
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;
-    std::vector<RankState*> ranks = Ranks<RankState>(s);
+    std::vector<CombineRank*> ranks = Ranks<CombineRank>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     const bool direct = ranks[0]->rows.direct();
-
-    // y[t] = from zero, over the ranks r holding t's pairs, ascending, in the
-    // accumulation type: w * expert row if r holds one of t's pairs (the row
-    // crosses as it is), else r's partial, the sum of w * row over t's pairs
-    // on r in k order, rounded to the rows' dtype (the one row that crosses
-    // back); y is that rounded to the rows' dtype. Same order in both modes
-    // and in moe.py's references. As two plans (algorithms/moe_combine_plan.h)
-    // built from the ranks' slots and weights: the owners' partials, then the
-    // tokens' sums.
-    // Phase 1, a task per rank: count its share of the plans (its tokens'
-    // sums, its partials on each owner); then, serially, place every share;
-    // phase 2, a task per rank: fill its share in (the serial build was most
-    // of a small combine's time beside its rows).
+    const MoeOpShape& shape = p;
+    Shares shares;
+    for (CombineRank* r : ranks) shares.push_back(r->share);
     auto plans = AcquirePooled<MoeCombinePlans>();
-    auto builder = std::make_shared<MoeCombinePlanBuilder>(p, /*stage_all=*/!direct, plans.get());
-    Phase count;
-    count.count = n;
-    count.run = [builder, ptrs = PtrTable(s)](uint64_t r) {
-      builder->Count(static_cast<int>(r), static_cast<const int32_t*>(ptrs[r][kSlots]));
+    // The joined plans' sizes (the join itself cannot fail after this).
+    if (const Status fits = JoinMoeCombineShares(shape, Views(shares), plans.get(), false, false); !fits.ok) {
+      for (CombineRank* r : ranks) r->error = fits.message;
+      return Status::Ok();
+    }
+    std::vector<Phase> phases;
+    if (direct) {
+      // One pass on the tokens' ranks, share by share: each partial is summed
+      // from its owner's rows as it is read (its owner's plan, fused). The
+      // owners' lanes are credited from the joined partials, partitioned as
+      // the model has them, by one task beside the sums.
+      std::vector<FusedPlan> set;
+      PlanBuffers buffers;
+      for (int r = 0; r < n; ++r) {
+        const std::shared_ptr<const MoeCombineShare>& share = shares[r];
+        set.push_back({std::shared_ptr<const Plan>(share, &share->sums), std::shared_ptr<const Plan>(share, &share->partials),
+                       std::shared_ptr<const std::vector<uint32_t>>(share, &share->first_partial)});
+        buffers.in.push_back(s.ptrs[r][kEy]);
+        buffers.out.push_back(s.ptrs[r][kY]);
+      }
+      Phase credit;
+      credit.count = 1;
+      credit.run = [shape = shape, shares, plans, devices = s.devices](uint64_t) {
+        JoinMoeCombineShares(shape, Views(shares), plans.get(), /*join_partials=*/true, /*join_sums=*/false);
+        Partition(plans->partials, shape.cores, shape.planner);
+        CreditPlan(plans->partials, devices, /*direct=*/true);
+      };
+      phases.push_back(Concat(std::move(credit), PlanSetPhase(std::move(set), buffers, s.devices, true)));
+      Schedule(std::move(phases), *ranks[0], n, job);
+      return Status::Ok();
+    }
+    // buffer_centric: the shares joined into the group's plans and
+    // partitioned (a task each); then the owners stage in only what crosses
+    // (one row per (token, rank): a lone expert row as it is, or the rounded
+    // partial) into their comm buffers; then every token's rank sums what it
+    // reads there into its own comm buffer, copied out at the end.
+    Phase join;
+    join.count = 2;
+    join.run = [shape = shape, shares, plans](uint64_t i) {
+      JoinMoeCombineShares(shape, Views(shares), plans.get(), i == 0, i == 1);
+      Partition(i == 0 ? plans->partials : plans->sums, shape.cores, shape.planner);
     };
-    Phase build;
-    build.count = n;
-    build.run = [builder, plans, ptrs = PtrTable(s)](uint64_t r) {
-      builder->Fill(static_cast<int>(r), ptrs[r][kW]);
-    };
-    // Then both plans are partitioned (a task each) and run.
-    Phase partition;
-    partition.count = 2;
-    partition.run = [p = static_cast<const MoeOpShape&>(p), plans](uint64_t i) {
-      Partition(i == 0 ? plans->partials : plans->sums, p.cores, p.planner);
-    };
-    partition.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices, direct](Job* more) {
+    join.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices](Job* more) {
       const int n = static_cast<int>(ranks.size());
       std::shared_ptr<const Plan> partials(plans, &plans->partials), sums(plans, &plans->sums);
-      if (direct) {
-        // One pass on the tokens' ranks: each partial is summed from its
-        // owner's rows as it is read (the owners' plan, fused; its lanes are
-        // credited as the owners').
-        PlanBuffers buffers;
-        for (int r = 0; r < n; ++r) {
-          buffers.in.push_back(ptrs[r][kEy]);
-          buffers.out.push_back(ptrs[r][kY]);
-        }
-        more->phases.push_back(PlanPhase(sums, buffers, devices, true, false, partials, plans->first_partial));
-        return;
-      }
-      // buffer_centric: the owners stage in only what crosses (one row per
-      // (token, rank): a lone expert row as it is, or the rounded partial)
-      // into their comm buffers; then every token's rank sums what it reads
-      // there into its own comm buffer, copied out at the end.
       PlanBuffers stage, sum;
       for (int r = 0; r < n; ++r) {
         stage.in.push_back(ranks[r]->rows.user_in(0));
@@ -711,17 +769,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
       more->phases.push_back(PlanPhase(sums, sum, devices, false));
       more->phases.push_back(StagePhase(ranks, /*in=*/false));
     };
-    build.then = [partition = std::move(partition)](Job* more) mutable { more->phases.push_back(std::move(partition)); };
-    count.then = [builder, plans, ranks, build = std::move(build)](Job* more) mutable {
-      const Status st = builder->Layout();
-      if (!st.ok) {
-        for (RankState* r : ranks) r->error = st.message;
-        return;
-      }
-      more->phases.push_back(std::move(build));
-    };
-    std::vector<Phase> phases;
-    phases.push_back(std::move(count));
+    phases.push_back(std::move(join));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

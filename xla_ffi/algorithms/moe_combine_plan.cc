@@ -11,35 +11,17 @@ namespace strata {
 namespace {
 constexpr const char* kName = "strata.moe.combine";
 
-}  // namespace
-
-MoeCombinePlanBuilder::MoeCombinePlanBuilder(const MoeOpShape& p, bool stage_all, MoeCombinePlans* plans)
-    : p_(p),
-      stage_all_(stage_all),
-      plans_(plans),
-      per_rank_(p.local_experts() * p.capacity),
-      slots_(p.group_size * per_rank_),
-      owner_of_(std::max<int64_t>(per_rank_, 1)),
-      sum_transfers_(p.group_size, 0),
-      sum_refs_(p.group_size, 0),
-      bad_pair_(p.group_size, -1),
-      bad_slot_(p.group_size, 0),
-      partials_(static_cast<size_t>(p.group_size) * p.group_size, 0),
-      partial_refs_(static_cast<size_t>(p.group_size) * p.group_size, 0) {
-  plans->grouped.resize(p.group_size);
-  plans->grouped_count.resize(p.group_size);
-}
-
-bool MoeCombinePlanBuilder::Group(const int32_t* pair_slot, int64_t t, Pair* kept, int64_t* count) const {
-  const int64_t divisor = std::max<int64_t>(per_rank_, 1);
-  const int64_t k_top = p_.topk;
+// Token t's kept pairs by owner (ascending; k ascending within one) into
+// `kept`, their number into *count; false on a bad slot.
+bool Group(const int32_t* pair_slot, int64_t t, int64_t k_top, int64_t slots, int64_t per_rank,
+           const OwnerOf& owner_of, MoeGroupedPair* kept, int64_t* count) {
   *count = 0;
   for (int64_t k = 0; k < k_top; ++k) {
     const int32_t slot = pair_slot[t * k_top + k];
     if (slot == -1) continue;
-    if (slot < -1 || slot >= slots_) return false;
-    const int32_t owner = owner_of_(slot);
-    const Pair pair{owner, static_cast<int32_t>(slot - owner * divisor), static_cast<int32_t>(k)};
+    if (slot < -1 || slot >= slots) return false;
+    const int32_t owner = owner_of(slot);
+    const MoeGroupedPair pair{owner, static_cast<int32_t>(slot - owner * per_rank), static_cast<int32_t>(k)};
     int64_t i = (*count)++;  // insertion sort by owner, stable in k: K is small
     for (; i > 0 && kept[i - 1].owner > pair.owner; --i) kept[i] = kept[i - 1];
     kept[i] = pair;
@@ -47,155 +29,134 @@ bool MoeCombinePlanBuilder::Group(const int32_t* pair_slot, int64_t t, Pair* kep
   return true;
 }
 
-namespace {
 // The end of the group (pairs of one owner) starting at kept[begin].
-template <typename P>
-int64_t GroupEnd(const P* kept, int64_t begin, int64_t count) {
+int64_t GroupEnd(const MoeGroupedPair* kept, int64_t begin, int64_t count) {
   int64_t end = begin + 1;
   while (end < count && kept[end].owner == kept[begin].owner) ++end;
   return end;
 }
+
+// A combine plan's fields, its lists emptied (keeping their storage: shares
+// and plans are pooled by the runtime).
+void Reset(const MoeOpShape& p, bool partials, Plan* plan) {
+  const int64_t per_rank = p.local_experts() * p.capacity;
+  plan->Clear();
+  plan->num_ranks = p.group_size;
+  plan->in_blocks = per_rank;
+  plan->block_bytes = p.row_bytes();
+  plan->dtype = p.dtype;
+  plan->op = ReduceOp::kSum;
+  plan->weighted = true;
+  if (partials) {
+    plan->out_blocks = per_rank;
+    plan->local_sums = true;
+  } else {
+    plan->scratch_blocks = per_rank;
+    plan->out_blocks = p.tokens;
+  }
+}
+
+Status TooMany(const char* what) {
+  return Status::Error(std::string(kName) + ": more than 2^32 " + what + " per plan is not supported");
+}
 }  // namespace
 
-void MoeCombinePlanBuilder::Count(int r, const int32_t* pair_slot) {
-  if (slots_ > INT32_MAX || p_.tokens > INT32_MAX) return;  // Layout says so
-  const int n = p_.group_size;
-  std::vector<Pair>& grouped = plans_->grouped[r];
-  std::vector<int32_t>& counts = plans_->grouped_count[r];
-  grouped.resize(p_.tokens * p_.topk);
-  counts.resize(p_.tokens);
-  int64_t* const partials = partials_.data() + static_cast<size_t>(r) * n;
-  int64_t* const refs = partial_refs_.data() + static_cast<size_t>(r) * n;
-  int64_t transfers = 0, sum_refs = 0;
-  bool open_zeros = false;
-  for (int64_t t = 0; t < p_.tokens; ++t) {
+int64_t MoeCombineShare::CapacityBytes() const {
+  int64_t bytes = 0;
+  for (const Plan* plan : {&sums, &partials})
+    bytes += plan->refs.capacity() * sizeof(BlockRef) + plan->transfers.capacity() * sizeof(Transfer) +
+             plan->weights.capacity() * sizeof(double) + plan->pieces.capacity() * sizeof(Piece) +
+             plan->tasks.capacity() * sizeof(LaneTask);
+  return bytes + grouped.capacity() * sizeof(MoeGroupedPair) + grouped_count.capacity() * sizeof(int32_t);
+}
+
+Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const int32_t* pair_slot,
+                            const void* weights, MoeCombineShare* share) {
+  const int n = p.group_size;
+  const int64_t per_rank = p.local_experts() * p.capacity, slots = n * per_rank, k_top = p.topk;
+  if (slots > INT32_MAX || p.tokens > INT32_MAX)
+    return Status::Error(std::string(kName) + ": more than 2^31 slots or tokens per rank is not supported");
+  const OwnerOf owner_of(std::max<int64_t>(per_rank, 1));  // a 64-bit divide per pair was most of the build
+
+  // Pass 1: group each token's pairs by owner; count r's sums and its
+  // partials on each owner (first_partial[o + 1], first_partial_ref[o + 1]).
+  std::vector<MoeGroupedPair>& grouped = share->grouped;
+  std::vector<int32_t>& counts = share->grouped_count;
+  grouped.resize(p.tokens * k_top);
+  counts.resize(p.tokens);
+  std::vector<uint32_t>& first = share->first_partial;
+  std::vector<uint32_t>& first_ref = share->first_partial_ref;
+  first.assign(n + 1, 0);
+  first_ref.assign(n + 1, 0);
+  int64_t sum_transfers = 0, sum_refs = 0, partials = 0, partial_refs = 0;
+  bool open_zeros = false;  // the last sum zeroes a run of r's tokens
+  for (int64_t t = 0; t < p.tokens; ++t) {
     int64_t count = 0;
-    Pair* const kept = grouped.data() + t * p_.topk;
-    const bool good = Group(pair_slot, t, kept, &count);
-    counts[t] = static_cast<int32_t>(count);
-    if (!good) {
-      for (int64_t k = 0; k < p_.topk; ++k) {
-        const int32_t slot = pair_slot[t * p_.topk + k];
-        if (slot < -1 || slot >= slots_) {
-          bad_pair_[r] = t * p_.topk + k;
-          bad_slot_[r] = slot;
-          return;
-        }
+    MoeGroupedPair* const kept = grouped.data() + t * k_top;
+    if (!Group(pair_slot, t, k_top, slots, per_rank, owner_of, kept, &count)) {
+      for (int64_t k = 0; k < k_top; ++k) {
+        const int32_t slot = pair_slot[t * k_top + k];
+        if (slot >= -1 && slot < slots) continue;
+        std::ostringstream os;
+        os << kName << ": rank " << r << "'s pair (token " << t << ", k=" << k << ") has slot " << slot
+           << ", outside [-1, " << slots << ")";
+        return Status::Error(os.str());
       }
     }
+    counts[t] = static_cast<int32_t>(count);
     if (count == 0) {
-      if (!open_zeros) transfers++, sum_refs++;
+      if (!open_zeros) sum_transfers++, sum_refs++;
       open_zeros = true;
       continue;
     }
     open_zeros = false;
-    transfers++;
+    sum_transfers++;
     sum_refs++;  // y
     for (int64_t begin = 0; begin < count;) {
       const int64_t end = GroupEnd(kept, begin, count);
       sum_refs++;
-      if (end - begin > 1 || stage_all_) {
-        partials[kept[begin].owner]++;
-        refs[kept[begin].owner] += end - begin + 1;
+      if (end - begin > 1 || stage_all) {
+        first[kept[begin].owner + 1]++;
+        first_ref[kept[begin].owner + 1] += static_cast<uint32_t>(end - begin + 1);
+        partials++;
+        partial_refs += end - begin + 1;
       }
       begin = end;
     }
   }
-  sum_transfers_[r] = transfers;
-  sum_refs_[r] = sum_refs;
-}
-
-Status MoeCombinePlanBuilder::Layout() {
-  MoeCombinePlans* const plans = plans_;
-  const int n = p_.group_size;
-  if (slots_ > INT32_MAX || p_.tokens > INT32_MAX)
-    return Status::Error(std::string(kName) + ": more than 2^31 slots or tokens per rank is not supported");
-  for (int r = 0; r < n; ++r) {
-    if (bad_pair_[r] < 0) continue;
-    // Count(r) saw it; the first bad pair, as one walk finds it.
-    const int64_t t = bad_pair_[r] / p_.topk, k = bad_pair_[r] % p_.topk;
-    std::ostringstream os;
-    os << kName << ": rank " << r << "'s pair (token " << t << ", k=" << k << ") has slot " << bad_slot_[r]
-       << ", outside [-1, " << slots_ << ")";
-    return Status::Error(os.str());
-  }
-  for (Plan* plan : {&plans->partials, &plans->sums}) {
-    plan->Clear();  // keeping the storage of a pooled plan (runtime: AcquireCombinePlans)
-    plan->num_ranks = n;
-    plan->in_blocks = per_rank_;
-    plan->block_bytes = p_.row_bytes();
-    plan->dtype = p_.dtype;
-    plan->op = ReduceOp::kSum;
-    plan->weighted = true;
-  }
-  Plan& sums = plans->sums;
-  Plan& partials = plans->partials;
-  sums.scratch_blocks = per_rank_;
-  sums.out_blocks = p_.tokens;
-  partials.out_blocks = per_rank_;
-  partials.local_sums = true;
-  // Owner by owner (producer_first: the owner's j-th scratch block is its
-  // j-th partial), ranks ascending within an owner; sums rank by rank.
-  plans->first_partial.assign(n, 0);
-  int64_t transfers = 0, refs = 0;
+  if (sum_refs > UINT32_MAX || partial_refs > UINT32_MAX) return TooMany("refs");
   for (int o = 0; o < n; ++o) {
-    plans->first_partial[o] = static_cast<uint32_t>(transfers);
-    for (int r = 0; r < n; ++r) {
-      const size_t at = static_cast<size_t>(r) * n + o;
-      const int64_t count = partials_[at], ref_count = partial_refs_[at];
-      partials_[at] = transfers;  // now: where r's partials on o start
-      partial_refs_[at] = refs;
-      transfers += count;
-      refs += ref_count;
-    }
+    first[o + 1] += first[o];
+    first_ref[o + 1] += first_ref[o];
   }
-  if (transfers > UINT32_MAX || refs > UINT32_MAX)
-    return Status::Error(std::string(kName) + ": more than 2^32 transfers per plan is not supported");
-  partials.transfers.resize(transfers);
-  partials.refs.resize(refs);
-  partials.weights.resize(refs);
-  sum_start_.assign(n, 0);
-  sum_ref_start_.assign(n, 0);
-  int64_t sum_transfers = 0, sum_refs = 0;
-  for (int r = 0; r < n; ++r) {
-    sum_start_[r] = sum_transfers;
-    sum_ref_start_[r] = sum_refs;
-    sum_transfers += sum_transfers_[r];
-    sum_refs += sum_refs_[r];
-  }
-  if (sum_refs > UINT32_MAX)
-    return Status::Error(std::string(kName) + ": more than 2^32 refs per plan is not supported");
+
+  // Pass 2: fill both plans in.
+  Plan& sums = share->sums;
+  Plan& parts = share->partials;
+  Reset(p, false, &sums);
+  Reset(p, true, &parts);
   sums.transfers.resize(sum_transfers);
   sums.refs.resize(sum_refs);
   sums.weights.resize(sum_refs);
-  return Status::Ok();
-}
-
-void MoeCombinePlanBuilder::Fill(int r, const void* weights) const {
-  MoeCombinePlans* const plans = plans_;
-  const int n = p_.group_size;
-  const int64_t k_top = p_.topk;
-  Plan& sums = plans->sums;
-  Plan& partials = plans->partials;
-  const Pair* const grouped = plans->grouped[r].data();
-  const int32_t* const counts = plans->grouped_count[r].data();
+  parts.transfers.resize(partials);
+  parts.refs.resize(partial_refs);
+  parts.weights.resize(partial_refs);
   // Where r's next partial on each owner and its refs go.
-  thread_local std::vector<int64_t> thread_next, thread_next_ref;
-  thread_next.assign(partials_.begin() + static_cast<size_t>(r) * n, partials_.begin() + static_cast<size_t>(r + 1) * n);
-  thread_next_ref.assign(partial_refs_.begin() + static_cast<size_t>(r) * n,
-                         partial_refs_.begin() + static_cast<size_t>(r + 1) * n);
-  int64_t* const next = thread_next.data();
-  int64_t* const next_ref = thread_next_ref.data();
-  const float* w32 = weights && p_.dtype != DType::F64 ? static_cast<const float*>(weights) : nullptr;
-  const double* w64 = weights && p_.dtype == DType::F64 ? static_cast<const double*>(weights) : nullptr;
+  thread_local std::vector<uint32_t> thread_next, thread_next_ref;
+  thread_next.assign(first.begin(), first.end() - 1);
+  thread_next_ref.assign(first_ref.begin(), first_ref.end() - 1);
+  uint32_t* const next = thread_next.data();
+  uint32_t* const next_ref = thread_next_ref.data();
+  const float* w32 = weights && p.dtype != DType::F64 ? static_cast<const float*>(weights) : nullptr;
+  const double* w64 = weights && p.dtype == DType::F64 ? static_cast<const double*>(weights) : nullptr;
   auto weight = [&](int64_t t, int64_t k) {
     return w32 ? static_cast<double>(w32[t * k_top + k]) : w64 ? w64[t * k_top + k] : 1.0;
   };
-  int64_t transfer = sum_start_[r], ref = sum_ref_start_[r];
-  bool open_zeros = false;  // the last transfer zeroes a run of r's tokens
-  for (int64_t t = 0; t < p_.tokens; ++t) {
+  uint32_t transfer = 0, ref = 0;
+  open_zeros = false;
+  for (int64_t t = 0; t < p.tokens; ++t) {
     const int64_t count = counts[t];
-    const Pair* const kept = grouped + t * k_top;
+    const MoeGroupedPair* const kept = grouped.data() + t * k_top;
     const BlockRef y{r, static_cast<int32_t>(t)};
     if (count == 0) {
       if (open_zeros) {
@@ -204,7 +165,7 @@ void MoeCombinePlanBuilder::Fill(int r, const void* weights) const {
       }
       Transfer& zero = sums.transfers[transfer++];
       zero = Transfer();
-      zero.src_begin = zero.dst_begin = static_cast<uint32_t>(ref);
+      zero.src_begin = zero.dst_begin = ref;
       zero.dst_count = 1;
       sums.refs[ref] = y;
       sums.weights[ref++] = 1.0;
@@ -214,40 +175,124 @@ void MoeCombinePlanBuilder::Fill(int r, const void* weights) const {
     open_zeros = false;
     Transfer& sum = sums.transfers[transfer++];
     sum = Transfer();
-    sum.src_begin = static_cast<uint32_t>(ref);
+    sum.src_begin = ref;
     for (int64_t begin = 0; begin < count;) {
       const int64_t end = GroupEnd(kept, begin, count);
       const int32_t o = kept[begin].owner;
-      if (end - begin == 1 && !stage_all_) {
+      if (end - begin == 1 && !stage_all) {
         sums.refs[ref] = {o, kept[begin].row};  // crosses as it is, weighted on arrival
         sums.weights[ref++] = weight(t, kept[begin].k);
       } else {
         const bool lone = end - begin == 1;  // staged as it is (stage_all), weighted where read
-        const int64_t index = next[o]++;
-        Transfer& partial = partials.transfers[index];
+        const uint32_t index = next[o]++;
+        Transfer& partial = parts.transfers[index];
         partial = Transfer();
-        partial.src_begin = static_cast<uint32_t>(next_ref[o]);
+        partial.src_begin = next_ref[o];
         partial.src_count = static_cast<uint32_t>(end - begin);
         for (int64_t i = begin; i < end; ++i) {
-          partials.refs[next_ref[o]] = {o, kept[i].row};
-          partials.weights[next_ref[o]++] = lone ? 1.0 : weight(t, kept[i].k);
+          parts.refs[next_ref[o]] = {o, kept[i].row};
+          parts.weights[next_ref[o]++] = lone ? 1.0 : weight(t, kept[i].k);
         }
-        const int32_t block = static_cast<int32_t>(index - plans->first_partial[o]);
-        partial.dst_begin = static_cast<uint32_t>(next_ref[o]);
+        const int32_t block = static_cast<int32_t>(index - first[o]);
+        partial.dst_begin = next_ref[o];
         partial.dst_count = 1;
-        partials.refs[next_ref[o]] = {o, block};
-        partials.weights[next_ref[o]++] = 1.0;
-        sums.refs[ref] = {o, static_cast<int32_t>(per_rank_ + block)};
+        parts.refs[next_ref[o]] = {o, block};
+        parts.weights[next_ref[o]++] = 1.0;
+        sums.refs[ref] = {o, static_cast<int32_t>(per_rank + block)};
         sums.weights[ref++] = lone ? weight(t, kept[begin].k) : 1.0;
       }
       begin = end;
     }
-    sum.src_count = static_cast<uint32_t>(ref - sum.src_begin);
-    sum.dst_begin = static_cast<uint32_t>(ref);
+    sum.src_count = ref - sum.src_begin;
+    sum.dst_begin = ref;
     sum.dst_count = 1;
     sums.refs[ref] = y;
     sums.weights[ref++] = 1.0;
   }
+  return Status::Ok();
+}
+
+Status JoinMoeCombineShares(const MoeOpShape& p, const std::vector<const MoeCombineShare*>& shares,
+                            MoeCombinePlans* plans, bool join_partials, bool join_sums) {
+  const int n = p.group_size;
+  if (static_cast<int>(shares.size()) != n)
+    return Status::Error(std::string(kName) + ": " + std::to_string(shares.size()) + " ranks' shares for a group of " +
+                         std::to_string(n));
+  const int64_t in_blocks = p.local_experts() * p.capacity;
+  int64_t partials = 0, partial_refs = 0, sum_transfers = 0, sum_refs = 0;
+  for (const MoeCombineShare* s : shares) {
+    partials += s->partials.transfers.size();
+    partial_refs += s->partials.refs.size();
+    sum_transfers += s->sums.transfers.size();
+    sum_refs += s->sums.refs.size();
+  }
+  if (partials > UINT32_MAX || sum_transfers > UINT32_MAX) return TooMany("transfers");
+  if (partial_refs > UINT32_MAX || sum_refs > UINT32_MAX) return TooMany("refs");
+
+  if (join_partials) {
+    // Owner by owner (the owner's j-th scratch block is its j-th partial),
+    // ranks ascending within an owner.
+    Plan& out = plans->partials;
+    Reset(p, true, &out);
+    out.transfers.resize(partials);
+    out.refs.resize(partial_refs);
+    out.weights.resize(partial_refs);
+    plans->first_partial.assign(n, 0);
+    uint32_t transfer = 0, ref = 0;
+    for (int o = 0; o < n; ++o) {
+      plans->first_partial[o] = transfer;
+      for (int r = 0; r < n; ++r) {
+        const MoeCombineShare& s = *shares[r];
+        const uint32_t t0 = s.first_partial[o], t1 = s.first_partial[o + 1];
+        const uint32_t r0 = s.first_partial_ref[o], r1 = s.first_partial_ref[o + 1];
+        if (t0 == t1) continue;
+        const uint32_t shift = ref - r0;               // the refs move by this
+        const int32_t base = static_cast<int32_t>(transfer - plans->first_partial[o]);  // o's partials of lower ranks
+        std::copy(s.partials.refs.begin() + r0, s.partials.refs.begin() + r1, out.refs.begin() + ref);
+        std::copy(s.partials.weights.begin() + r0, s.partials.weights.begin() + r1, out.weights.begin() + ref);
+        for (uint32_t i = t0; i < t1; ++i) {
+          Transfer t = s.partials.transfers[i];
+          t.src_begin += shift;
+          t.dst_begin += shift;
+          out.refs[t.dst_begin].block += base;
+          out.transfers[transfer++] = t;
+        }
+        ref += r1 - r0;
+      }
+    }
+  }
+
+  if (join_sums) {
+    // Rank by rank; a sum's partial (scratch block in_blocks + j of its
+    // owner o) moves past o's partials of lower ranks.
+    Plan& out = plans->sums;
+    Reset(p, false, &out);
+    out.transfers.resize(sum_transfers);
+    out.refs.resize(sum_refs);
+    out.weights.resize(sum_refs);
+    thread_local std::vector<int32_t> thread_placed;  // per owner: partials of the ranks so far
+    thread_placed.assign(n, 0);
+    int32_t* const placed = thread_placed.data();
+    uint32_t transfer = 0, ref = 0;
+    for (int r = 0; r < n; ++r) {
+      const MoeCombineShare& s = *shares[r];
+      std::copy(s.sums.refs.begin(), s.sums.refs.end(), out.refs.begin() + ref);
+      std::copy(s.sums.weights.begin(), s.sums.weights.end(), out.weights.begin() + ref);
+      for (const Transfer& in : s.sums.transfers) {
+        Transfer t = in;
+        t.src_begin += ref;
+        t.dst_begin += ref;
+        for (uint32_t k = t.src_begin; k < t.src_begin + t.src_count; ++k) {
+          BlockRef& b = out.refs[k];
+          if (b.block >= in_blocks) b.block += placed[b.rank];
+        }
+        out.transfers[transfer++] = t;
+      }
+      ref += static_cast<uint32_t>(s.sums.refs.size());
+      for (int o = 0; o < n; ++o) placed[o] += static_cast<int32_t>(s.first_partial[o + 1] - s.first_partial[o]);
+    }
+  }
+  return Status::Ok();
 }
 
 Status BuildMoeCombinePlans(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
@@ -256,12 +301,14 @@ Status BuildMoeCombinePlans(const MoeOpShape& p, const std::vector<const int32_t
   if (static_cast<int>(pair_slot.size()) != n || (!weights.empty() && static_cast<int>(weights.size()) != n))
     return Status::Error(std::string(kName) + ": " + std::to_string(pair_slot.size()) +
                          " ranks' slots for a group of " + std::to_string(n));
-  MoeCombinePlanBuilder builder(p, stage_all, plans);
-  for (int r = 0; r < n; ++r) builder.Count(r, pair_slot[r]);
-  const Status st = builder.Layout();
-  if (!st.ok) return st;
-  for (int r = 0; r < n; ++r) builder.Fill(r, weights.empty() ? nullptr : weights[r]);
-  return Status::Ok();
+  std::vector<MoeCombineShare> shares(n);
+  std::vector<const MoeCombineShare*> views(n);
+  for (int r = 0; r < n; ++r) {
+    const Status st = BuildMoeCombineShare(p, stage_all, r, pair_slot[r], weights.empty() ? nullptr : weights[r], &shares[r]);
+    if (!st.ok) return st;
+    views[r] = &shares[r];
+  }
+  return JoinMoeCombineShares(p, views, plans);
 }
 
 }  // namespace strata

@@ -12,8 +12,15 @@
 // With `stage_all` (buffer_centric) every (token, rank)'s row goes through the
 // owner's scratch (its comm buffer), a lone row copied as it is and weighted
 // where it is read. The order is algorithms/moe.h's (and moe.py's references).
-// The runtime runs these (algorithms/moe.cc; in strata mode the host fuses
-// each partial into the sum that reads it) and the model times them.
+//
+// Each token rank's share of both plans depends on its own routing alone, so
+// a rank builds it (BuildMoeCombineShare) in its own handler, before it joins
+// its group: the runtime runs the shares' sums as they are in strata mode
+// (algorithms/moe.cc; the host fuses each partial into the sum that reads
+// it), and joins them into the group's plans (JoinMoeCombineShares) where the
+// owners' numbering matters: buffer_centric's scratch, the partials' lanes.
+// The model times the joined plans; the shares' sums are the joined sums
+// rank by rank, so every NPU's lanes get the same pieces either way.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -21,7 +28,6 @@
 #include "../runtime/moe_shape.h"
 #include "../runtime/plan.h"
 #include "../runtime/status.h"
-#include "moe_plan.h"
 
 namespace strata {
 
@@ -37,51 +43,43 @@ struct MoeCombinePlans {
   // Per rank: its first transfer in `partials`; the one writing its scratch
   // block j is first_partial[r] + j.
   std::vector<uint32_t> first_partial;
-  // The builder's scratch, kept with the plans (the runtime pools them): per
-  // rank, its tokens' kept pairs grouped by owner (topk entries per token)
-  // and their numbers, so Fill does not group them again.
-  std::vector<std::vector<MoeGroupedPair>> grouped;
-  std::vector<std::vector<int32_t>> grouped_count;
 };
 
-// BuildMoeCombinePlans in steps that may run in parallel (the runtime runs
-// them as phases): Count(r) for every rank (reads only rank r's slots), then
-// Layout (serial: reports a bad slot, places every rank's share of the
-// plans), then Fill(r) for every rank (writes only rank r's share). The same
-// plans as the serial build.
-class MoeCombinePlanBuilder {
- public:
-  // Builds into *plans (which must outlive the steps).
-  MoeCombinePlanBuilder(const MoeOpShape& p, bool stage_all, MoeCombinePlans* plans);
-  void Count(int r, const int32_t* pair_slot);
-  Status Layout();
-  // weights: rank r's (as below), or nullptr for all 1.
-  void Fill(int r, const void* weights) const;
-
- private:
-  using Pair = MoeGroupedPair;
-  // Token t's kept pairs by owner (ascending; k ascending within one) into
-  // `kept`, their number into *count; false on a bad slot.
-  bool Group(const int32_t* pair_slot, int64_t t, Pair* kept, int64_t* count) const;
-
-  MoeOpShape p_;
-  bool stage_all_;
-  MoeCombinePlans* plans_;
-  int64_t per_rank_, slots_;
-  OwnerOf owner_of_;  // slot / per_rank_: a 64-bit divide per pair was most of the build
-  // Per rank: its sums' transfers and refs, its first bad pair (or -1) and slot.
-  std::vector<int64_t> sum_transfers_, sum_refs_, bad_pair_, bad_slot_;
-  // Per (rank r, owner o), r * n + o: partials r's tokens make on o and
-  // their refs; after Layout, where r's first such partial and ref go.
-  std::vector<int64_t> partials_, partial_refs_;
-  std::vector<int64_t> sum_start_, sum_ref_start_;  // per rank, after Layout
+// Token rank r's share, numbered within itself: `sums` holds r's tokens'
+// sums (y rows of r only), `partials` the partials r's tokens make, owner by
+// owner; a sum reads r's j-th partial on owner o as scratch block
+// in_blocks + j of o, which is partials transfer first_partial[o] + j (so a
+// share runs fused on its own, PlanPhase's producer). Joined, the j-th
+// becomes o's (partials of lower ranks on o) + j-th.
+struct MoeCombineShare {
+  Plan sums, partials;
+  std::vector<uint32_t> first_partial;      // [n + 1]: r's partials on o are [first_partial[o], first_partial[o + 1])
+  std::vector<uint32_t> first_partial_ref;  // [n + 1]: and their refs (sources, then the one destination)
+  // The builder's scratch, kept with the share (the runtime pools shares):
+  // each token's kept pairs grouped by owner, and their numbers.
+  std::vector<MoeGroupedPair> grouped;
+  std::vector<int32_t> grouped_count;
+  // Bytes the share's arrays hold (what a pool keeps alive).
+  int64_t CapacityBytes() const;
 };
 
-// pair_slot[r][t * topk + k]: rank r's pair (t, k)'s global slot, or -1
-// (algorithms/moe.h's layout). weights[r]: rank r's [tokens * topk] weights
-// (float32; float64 for F64 rows), or empty for all (every weight 1: the
-// model, which times bytes). A slot outside [-1, num_experts * capacity) is
-// an error; the plans are unpartitioned.
+// Rank r's share from its pair slots (pair_slot[t * topk + k]: pair (t, k)'s
+// global slot, or -1: algorithms/moe.h's layout) and weights (its
+// [tokens * topk]; float32, float64 for F64 rows; nullptr: all 1, the model's,
+// which times bytes). A slot outside [-1, num_experts * capacity) is an error
+// naming rank r's pair. The share's plans are unpartitioned.
+Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const int32_t* pair_slot,
+                            const void* weights, MoeCombineShare* share);
+
+// The group's plans from every rank's share (shares[r]: rank r's, built with
+// the same shape and stage_all), unpartitioned. Either plan alone: the other
+// is left as it was (strata mode joins only the partials, whose lanes the
+// runtime credits as the model's joined plan has them).
+Status JoinMoeCombineShares(const MoeOpShape& p, const std::vector<const MoeCombineShare*>& shares,
+                            MoeCombinePlans* plans, bool join_partials = true, bool join_sums = true);
+
+// Both in one: the shares of every rank, joined. weights[r] as above, or
+// empty for all 1.
 Status BuildMoeCombinePlans(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
                             const std::vector<const void*>& weights, bool stage_all, MoeCombinePlans* plans);
 

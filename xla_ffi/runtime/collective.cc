@@ -824,6 +824,64 @@ Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, st
   return phase;
 }
 
+Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std::vector<int32_t> devices,
+                   bool direct) {
+  View v;
+  for (const void* in : buffers.in) v.in.push_back(static_cast<const char*>(in));
+  for (void* out : buffers.out) v.out.push_back(static_cast<char*>(out));
+  for (const void* in : buffers.producer_in.empty() ? buffers.in : buffers.producer_in)
+    v.producer_in.push_back(static_cast<const char*>(in));
+  std::vector<uint64_t> starts(1, 0);  // plan i's tasks: [starts[i], starts[i + 1])
+  for (const FusedPlan& f : plans) starts.push_back(starts.back() + f.plan->chunk_starts.size() - 1);
+  if (!plans.empty()) {
+    const Plan& any = *plans[0].plan;  // the plans share their buffers' layout
+    v.in_row_stride = any.in_blocks * any.block_bytes;
+    v.out_row_stride = any.out_blocks * any.OutBlockBytes();
+    v.block_stride = any.block_bytes;
+  }
+  // Each thread runs from its own copy of the view, the producer set per
+  // plan: a view per plan was the ranks' pointers once per rank (n^2 of them
+  // at 384 ranks). The copy is made once per thread per phase.
+  static std::atomic<uint64_t> next_id{0};
+  const uint64_t id = ++next_id;
+  Phase phase;
+  phase.count = starts.back();
+  phase.run = [plans = std::move(plans), starts = std::move(starts), v = std::move(v), devices = std::move(devices),
+               direct, id](uint64_t task) {
+    thread_local View mine;
+    thread_local uint64_t mine_id = 0;
+    if (mine_id != id) {
+      mine = v;
+      mine_id = id;
+    }
+    const size_t i = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), task) - starts.begin()) - 1;
+    const FusedPlan& f = plans[i];
+    mine.producer = f.producer.get();
+    mine.producer_first = f.first ? f.first->data() : nullptr;
+    thread_local std::vector<Stats::LaneBytes> lane_bytes;
+    lane_bytes.clear();
+    const uint64_t chunk = task - starts[i];
+    RunPieces(*f.plan, chunk, mine, devices, &lane_bytes);
+    Stats& stats = GlobalStats();
+    stats.AddLaneBytes(f.plan->on_sdma, f.plan->lanes_per_npu, lane_bytes);
+    const ChunkBytes& bytes = f.plan->chunk_bytes[chunk];
+    stats.AddExchanged(bytes.carried, direct);
+    stats.AddLocal(bytes.local);
+  };
+  return phase;
+}
+
+void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool direct) {
+  thread_local std::vector<Stats::LaneBytes> lane_bytes;
+  Stats& stats = GlobalStats();
+  for (uint64_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) {
+    lane_bytes.clear();
+    CreditTasks(plan, c, devices, 1, &lane_bytes);
+    stats.AddLaneBytes(plan.on_sdma, plan.lanes_per_npu, lane_bytes);
+    stats.AddExchanged(plan.chunk_bytes[c].carried, direct);
+    stats.AddLocal(plan.chunk_bytes[c].local);
+  }
+}
 
 bool RunsInline(const OpParams& p) {
   return RunsInline(p.mode, p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes, p.group_size,

@@ -153,6 +153,24 @@ Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, st
                 bool direct, bool staging = false, std::shared_ptr<const Plan> producer = nullptr,
                 std::vector<uint32_t> producer_first = {}, bool credit_producer = true);
 
+// One plan of a PlanSetPhase: `plan` fused with `producer` (as PlanPhase's,
+// producer_first = *first), or without one.
+struct FusedPlan {
+  std::shared_ptr<const Plan> plan, producer;
+  std::shared_ptr<const std::vector<uint32_t>> first;
+};
+// Several partitioned plans over the same buffers as one phase, task by task
+// through their host chunks in order (MoE combine's shares: each rank's sums,
+// built in its handler before it joined, fused with its own partials). The
+// plans' lanes and bytes are credited as PlanPhase's; the producers' are not
+// (the caller credits the plan they are shares of: CreditPlan).
+Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std::vector<int32_t> devices,
+                   bool direct);
+
+// Credits a partitioned plan's lanes and bytes as running it would, without
+// running it (a producer whose work its readers did, fused).
+void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool direct);
+
 // Adds to (*rank_bytes)[r] the bytes per row rank r reads + writes in
 // `plan` (sized by the caller: a plan built in parts adds each part's).
 void AddRankBytes(const Plan& plan, std::vector<int64_t>* rank_bytes);

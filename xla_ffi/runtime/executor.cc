@@ -44,6 +44,16 @@ Phase Together(Phase a, Phase b) {
   return both;
 }
 
+Phase Concat(Phase a, Phase b) {
+  Phase both;
+  both.count = a.count + b.count;
+  both.run = [a = std::move(a.run), b = std::move(b.run), a_count = a.count](uint64_t i) {
+    if (i < a_count) a(i);
+    else b(i - a_count);
+  };
+  return both;
+}
+
 void Splice(Job* job, size_t after, Job&& more) {
   job->phases.insert(job->phases.begin() + static_cast<std::ptrdiff_t>(after) + 1,
                      std::make_move_iterator(more.phases.begin()), std::make_move_iterator(more.phases.end()));

@@ -34,6 +34,10 @@ struct Phase {
 // then b's (the phases' counts may differ); neither may have a `then`.
 Phase Together(Phase a, Phase b);
 
+// Two phases whose tasks are independent as one: a's tasks, then b's (in
+// claim order: a's are taken first); neither may have a `then`.
+Phase Concat(Phase a, Phase b);
+
 struct Job {
   std::vector<Phase> phases;
   // Called once, after the last task of the last phase, on a worker thread.

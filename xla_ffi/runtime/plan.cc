@@ -197,8 +197,14 @@ PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t ali
   // closes the gaps. The shares wait at the end of their NPU's room, and the
   // split writes the pieces from its start: a second array of shares, and
   // its page faults, cost MoE dispatch's partition as much as the split.
-  p.pieces.resize(npu_start_[n] + static_cast<size_t>(n) * lanes_);
-  p.tasks.resize(static_cast<size_t>(n) * lanes_);
+  // Only NPUs with shares get room: a plan of one rank's work (a share of MoE
+  // combine's, built by each of 384 ranks) would otherwise size and clear
+  // 384 x lanes tasks.
+  busy_before_.assign(n + 1, 0);
+  for (int npu = 0; npu < n; ++npu)
+    busy_before_[npu + 1] = busy_before_[npu] + (npu_start_[npu + 1] > npu_start_[npu] ? 1 : 0);
+  p.pieces.resize(npu_start_[n] + busy_before_[n] * lanes_);
+  p.tasks.resize(busy_before_[n] * lanes_);
   {
     std::vector<size_t> next(n);
     for (int npu = 0; npu < n; ++npu) next[npu] = RoomStart(npu) + lanes_;
@@ -208,7 +214,8 @@ PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t ali
   task_count_.assign(n, 0);
 }
 
-size_t PlanPartition::RoomStart(int npu) const { return npu_start_[npu] + static_cast<size_t>(npu) * lanes_; }
+size_t PlanPartition::RoomStart(int npu) const { return npu_start_[npu] + busy_before_[npu] * lanes_; }
+size_t PlanPartition::TaskRoom(int npu) const { return busy_before_[npu] * lanes_; }
 
 void PlanPartition::Npu(int npu) {
   Plan& plan = *plan_;
@@ -217,7 +224,7 @@ void PlanPartition::Npu(int npu) {
   const int lanes = lanes_;
   Piece* const pieces = plan.pieces.data() + RoomStart(npu);
   const Piece* const shares = pieces + lanes;
-  LaneTask* const tasks = plan.tasks.data() + static_cast<size_t>(npu) * lanes;
+  LaneTask* const tasks = plan.tasks.data() + TaskRoom(npu);
   // Piece indices in tasks are local to the NPU until Finish places them.
   size_t used = 0, made = 0;
   if (planner_ == Planner::kNaive) {
@@ -326,7 +333,7 @@ void PlanPartition::Finish() {
     const size_t room = RoomStart(npu);
     if (pieces != room && piece_count_[npu] > 0)
       std::memmove(plan.pieces.data() + pieces, plan.pieces.data() + room, piece_count_[npu] * sizeof(Piece));
-    const LaneTask* task = plan.tasks.data() + static_cast<size_t>(npu) * lanes_;
+    const LaneTask* task = plan.tasks.data() + TaskRoom(npu);
     for (size_t i = 0; i < task_count_[npu]; ++i) {
       LaneTask t = task[i];
       t.piece_begin += static_cast<uint32_t>(pieces);

@@ -223,7 +223,8 @@ class PlanPartition {
   int64_t bytes() const { return bytes_; }
 
  private:
-  size_t RoomStart(int npu) const;
+  size_t RoomStart(int npu) const;  // where an NPU's pieces are split
+  size_t TaskRoom(int npu) const;   // and its lanes' tasks
   void Balance(int npu, const Piece* mine, size_t count, Piece* pieces, LaneTask* tasks, size_t* used,
                size_t* made) const;
   Plan* plan_;
@@ -231,6 +232,7 @@ class PlanPartition {
   Planner planner_;
   int64_t align_ = 1, min_lane_bytes_, host_chunk_bytes_, bytes_ = 0;
   std::vector<size_t> npu_start_;  // each NPU's shares: [npu_start_[npu], npu_start_[npu + 1])
+  std::vector<size_t> busy_before_;  // NPUs with shares before each NPU
   std::vector<size_t> piece_count_, task_count_;  // per NPU, as split
 };
 

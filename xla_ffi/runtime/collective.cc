@@ -773,72 +773,81 @@ Status StagedJob(const Slot& s, Communicator* comm, const OpParams& p,
   return st;
 }
 
+// `buffers` as a view for `plan`'s layout, the producer's inputs included
+// (`buffers.producer_in`, or else `buffers.in`) when `with_producer`.
+View PlanView(const Plan& plan, const PlanBuffers& buffers, bool with_producer) {
+  View v;
+  for (const void* in : buffers.in) v.in.push_back(static_cast<const char*>(in));
+  for (const void* scratch : buffers.scratch) v.scratch.push_back(static_cast<const char*>(scratch));
+  for (void* out : buffers.out) v.out.push_back(static_cast<char*>(out));
+  v.in_row_stride = plan.in_blocks * plan.block_bytes;
+  v.out_row_stride = plan.out_blocks * plan.OutBlockBytes();
+  v.block_stride = plan.block_bytes;
+  if (with_producer)
+    for (const void* in : buffers.producer_in.empty() ? buffers.in : buffers.producer_in)
+      v.producer_in.push_back(static_cast<const char*>(in));
+  return v;
+}
+
+// Runs host chunk `chunk` of a partitioned plan over `v`, crediting its lanes
+// and bytes (`staging`: what it writes is bytes_staged, its lanes uncredited).
+void RunPlanChunk(const Plan& plan, uint64_t chunk, const View& v, const std::vector<int32_t>& devices, bool direct,
+                  bool staging) {
+  thread_local std::vector<Stats::LaneBytes> lane_bytes;  // reused by the thread
+  lane_bytes.clear();
+  RunPieces(plan, chunk, v, devices, &lane_bytes);
+  Stats& stats = GlobalStats();
+  const ChunkBytes& bytes = plan.chunk_bytes[chunk];
+  if (staging) {
+    stats.bytes_staged += bytes.written;
+  } else {
+    stats.AddLaneBytes(plan.on_sdma, plan.lanes_per_npu, lane_bytes);
+  }
+  stats.AddExchanged(bytes.carried, direct);
+  stats.AddLocal(bytes.local);
+}
+
+// Credits host chunk `chunk` of a plan whose work ran elsewhere (a producer
+// fused into its reader) as running it would have.
+void CreditPlanChunk(const Plan& plan, uint64_t chunk, const std::vector<int32_t>& devices, bool direct) {
+  thread_local std::vector<Stats::LaneBytes> lane_bytes;
+  lane_bytes.clear();
+  CreditTasks(plan, chunk, devices, 1, &lane_bytes);
+  Stats& stats = GlobalStats();
+  stats.AddLaneBytes(plan.on_sdma, plan.lanes_per_npu, lane_bytes);
+  stats.AddExchanged(plan.chunk_bytes[chunk].carried, direct);
+  stats.AddLocal(plan.chunk_bytes[chunk].local);
+}
 }  // namespace
 
 Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, std::vector<int32_t> devices,
                 bool direct, bool staging, std::shared_ptr<const Plan> producer,
                 std::vector<uint32_t> producer_first, bool credit_producer) {
-  View v;
-  for (const void* in : buffers.in) v.in.push_back(static_cast<const char*>(in));
-  for (const void* scratch : buffers.scratch) v.scratch.push_back(static_cast<const char*>(scratch));
-  for (void* out : buffers.out) v.out.push_back(static_cast<char*>(out));
-  v.in_row_stride = plan->in_blocks * plan->block_bytes;
-  v.out_row_stride = plan->out_blocks * plan->OutBlockBytes();
-  v.block_stride = plan->block_bytes;
+  View v = PlanView(*plan, buffers, producer != nullptr);
   auto first = std::make_shared<const std::vector<uint32_t>>(std::move(producer_first));
   if (producer) {
     v.producer = producer.get();
     v.producer_first = first->data();
-    for (const void* in : buffers.producer_in.empty() ? buffers.in : buffers.producer_in)
-      v.producer_in.push_back(static_cast<const char*>(in));
   }
   const uint64_t own = plan->chunk_starts.size() - 1;
   Phase phase;
   phase.count = own + (producer && credit_producer ? producer->chunk_starts.size() - 1 : 0);
   phase.run = [plan, producer, first, v = std::move(v), devices = std::move(devices), direct, staging,
                own](uint64_t chunk) {
-    thread_local std::vector<Stats::LaneBytes> lane_bytes;  // reused by the thread
-    lane_bytes.clear();
-    Stats& stats = GlobalStats();
-    if (chunk >= own) {
-      // The fused producer's chunk: its work ran inside the reader's; its
-      // lanes and bytes are credited as its own phase's would be.
-      const Plan& p = *producer;
-      const uint64_t c = chunk - own;
-      CreditTasks(p, c, devices, 1, &lane_bytes);
-      stats.AddLaneBytes(p.on_sdma, p.lanes_per_npu, lane_bytes);
-      stats.AddExchanged(p.chunk_bytes[c].carried, direct);
-      stats.AddLocal(p.chunk_bytes[c].local);
-      return;
-    }
-    RunPieces(*plan, chunk, v, devices, &lane_bytes);
-    const ChunkBytes& bytes = plan->chunk_bytes[chunk];
-    if (staging) {
-      stats.bytes_staged += bytes.written;
-    } else {
-      stats.AddLaneBytes(plan->on_sdma, plan->lanes_per_npu, lane_bytes);
-    }
-    stats.AddExchanged(bytes.carried, direct);
-    stats.AddLocal(bytes.local);
+    // The fused producer's chunks: their work ran inside the reader's; their
+    // lanes and bytes are credited as their own phase's would be.
+    if (chunk >= own) return CreditPlanChunk(*producer, chunk - own, devices, direct);
+    RunPlanChunk(*plan, chunk, v, devices, direct, staging);
   };
   return phase;
 }
 
 Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std::vector<int32_t> devices,
                    bool direct) {
-  View v;
-  for (const void* in : buffers.in) v.in.push_back(static_cast<const char*>(in));
-  for (void* out : buffers.out) v.out.push_back(static_cast<char*>(out));
-  for (const void* in : buffers.producer_in.empty() ? buffers.in : buffers.producer_in)
-    v.producer_in.push_back(static_cast<const char*>(in));
   std::vector<uint64_t> starts(1, 0);  // plan i's tasks: [starts[i], starts[i + 1])
   for (const FusedPlan& f : plans) starts.push_back(starts.back() + f.plan->chunk_starts.size() - 1);
-  if (!plans.empty()) {
-    const Plan& any = *plans[0].plan;  // the plans share their buffers' layout
-    v.in_row_stride = any.in_blocks * any.block_bytes;
-    v.out_row_stride = any.out_blocks * any.OutBlockBytes();
-    v.block_stride = any.block_bytes;
-  }
+  // The plans share their buffers' layout.
+  View v = plans.empty() ? View() : PlanView(*plans[0].plan, buffers, /*with_producer=*/true);
   // Each thread runs from its own copy of the view, the producer set per
   // plan: a view per plan was the ranks' pointers once per rank (n^2 of them
   // at 384 ranks). The copy is made once per thread per phase.
@@ -858,29 +867,13 @@ Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std
     const FusedPlan& f = plans[i];
     mine.producer = f.producer.get();
     mine.producer_first = f.first ? f.first->data() : nullptr;
-    thread_local std::vector<Stats::LaneBytes> lane_bytes;
-    lane_bytes.clear();
-    const uint64_t chunk = task - starts[i];
-    RunPieces(*f.plan, chunk, mine, devices, &lane_bytes);
-    Stats& stats = GlobalStats();
-    stats.AddLaneBytes(f.plan->on_sdma, f.plan->lanes_per_npu, lane_bytes);
-    const ChunkBytes& bytes = f.plan->chunk_bytes[chunk];
-    stats.AddExchanged(bytes.carried, direct);
-    stats.AddLocal(bytes.local);
+    RunPlanChunk(*f.plan, task - starts[i], mine, devices, direct, /*staging=*/false);
   };
   return phase;
 }
 
 void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool direct) {
-  thread_local std::vector<Stats::LaneBytes> lane_bytes;
-  Stats& stats = GlobalStats();
-  for (uint64_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) {
-    lane_bytes.clear();
-    CreditTasks(plan, c, devices, 1, &lane_bytes);
-    stats.AddLaneBytes(plan.on_sdma, plan.lanes_per_npu, lane_bytes);
-    stats.AddExchanged(plan.chunk_bytes[c].carried, direct);
-    stats.AddLocal(plan.chunk_bytes[c].local);
-  }
+  for (uint64_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) CreditPlanChunk(plan, c, devices, direct);
 }
 
 bool RunsInline(const OpParams& p) {

@@ -595,56 +595,40 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
 }
 
 namespace {
-// Combine's and its backward's plans are rebuilt every op; when an op is
-// over its plans come back here and the next op reuses their arrays (fresh
-// ones cost a page fault per 4 KiB written: most of the serial layout step).
-// At most a few are kept, so memory stays flat.
-template <typename Plans>
-std::shared_ptr<Plans> AcquirePooled() {
-  constexpr size_t kKept = 2;
+// Combine's and its backward's plans, and combine's shares, are rebuilt
+// every op; when an op is over they come back here and the next op reuses
+// their arrays (fresh ones cost a page fault per 4 KiB written: most of the
+// serial layout step). At most `kept` are kept and, with `bytes`, at most
+// `budget` bytes of them (shares: one per rank per op, at any group size),
+// so memory stays flat.
+template <typename T>
+std::shared_ptr<T> AcquirePooled(size_t kept = 2, int64_t (*bytes)(const T&) = nullptr, int64_t budget = 0) {
   static std::mutex& mu = *new std::mutex;  // never destroyed: workers may run at exit
-  static auto& pool = *new std::vector<std::unique_ptr<Plans>>;
-  std::unique_ptr<Plans> plans;
+  static auto& pool = *new std::vector<std::unique_ptr<T>>;
+  static int64_t kept_bytes = 0;
+  std::unique_ptr<T> item;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!pool.empty()) {
-      plans = std::move(pool.back());
+      item = std::move(pool.back());
       pool.pop_back();
+      if (bytes) kept_bytes -= bytes(*item);
     }
   }
-  if (!plans) plans = std::make_unique<Plans>();
-  return std::shared_ptr<Plans>(plans.release(), [](Plans* done) {
-    std::unique_ptr<Plans> owned(done);
+  if (!item) item = std::make_unique<T>();
+  return std::shared_ptr<T>(item.release(), [kept, bytes, budget](T* done) {
+    std::unique_ptr<T> owned(done);
+    const int64_t size = bytes ? bytes(*owned) : 0;
     std::lock_guard<std::mutex> lock(mu);
-    if (pool.size() < kKept) pool.push_back(std::move(owned));
+    if (pool.size() >= kept || (bytes && kept_bytes + size > budget)) return;
+    kept_bytes += size;
+    pool.push_back(std::move(owned));
   });
 }
 
-// Combine's shares: one per rank per op, so the pool keeps a few groups'
-// worth, up to a byte budget (memory stays flat at any group size).
 std::shared_ptr<MoeCombineShare> AcquireShare() {
-  constexpr int64_t kKeptBytes = int64_t{64} << 20;
-  static std::mutex& mu = *new std::mutex;  // never destroyed: workers may run at exit
-  static auto& pool = *new std::vector<std::unique_ptr<MoeCombineShare>>;
-  static int64_t kept_bytes = 0;
-  std::unique_ptr<MoeCombineShare> share;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!pool.empty()) {
-      share = std::move(pool.back());
-      pool.pop_back();
-      kept_bytes -= share->CapacityBytes();
-    }
-  }
-  if (!share) share = std::make_unique<MoeCombineShare>();
-  return std::shared_ptr<MoeCombineShare>(share.release(), [](MoeCombineShare* done) {
-    std::unique_ptr<MoeCombineShare> owned(done);
-    const int64_t bytes = owned->CapacityBytes();
-    std::lock_guard<std::mutex> lock(mu);
-    if (kept_bytes + bytes > kKeptBytes) return;
-    kept_bytes += bytes;
-    pool.push_back(std::move(owned));
-  });
+  return AcquirePooled<MoeCombineShare>(
+      SIZE_MAX, [](const MoeCombineShare& share) { return share.CapacityBytes(); }, int64_t{64} << 20);
 }
 
 struct CombineRank : RankState {
@@ -699,9 +683,8 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     else if (direct) Partition(me->share->sums, p.cores, p.planner);  // its lanes: this rank's NPU's
   }
 
-  enum { kEy = 0, kW, kSlots, kY };
-  PtrList ptrs = {me->rows.in(0), const_cast<void*>(weights), const_cast<int32_t*>(pair_slot),
-                  me->rows.out(0)};
+  enum { kEy = 0, kY };  // the slots and weights are in the share
+  PtrList ptrs = {me->rows.in(0), me->rows.out(0)};
   Launch(kCombineName, p, c, std::move(me), std::move(ptrs),  // &p: see dispatch
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;

@@ -36,11 +36,15 @@ int64_t GroupEnd(const MoeGroupedPair* kept, int64_t begin, int64_t count) {
   return end;
 }
 
-// A combine plan's fields, its lists emptied (keeping their storage: shares
-// and plans are pooled by the runtime).
-void Reset(const MoeOpShape& p, bool partials, Plan* plan) {
+// A combine plan's fields, with `transfers` transfers and `refs` refs and
+// weights to fill in (the lists keep their storage: shares and plans are
+// pooled by the runtime).
+void Reset(const MoeOpShape& p, bool partials, int64_t transfers, int64_t refs, Plan* plan) {
   const int64_t per_rank = p.local_experts() * p.capacity;
   plan->Clear();
+  plan->transfers.resize(transfers);
+  plan->refs.resize(refs);
+  plan->weights.resize(refs);
   plan->num_ranks = p.group_size;
   plan->in_blocks = per_rank;
   plan->block_bytes = p.row_bytes();
@@ -133,14 +137,8 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
   // Pass 2: fill both plans in.
   Plan& sums = share->sums;
   Plan& parts = share->partials;
-  Reset(p, false, &sums);
-  Reset(p, true, &parts);
-  sums.transfers.resize(sum_transfers);
-  sums.refs.resize(sum_refs);
-  sums.weights.resize(sum_refs);
-  parts.transfers.resize(partials);
-  parts.refs.resize(partial_refs);
-  parts.weights.resize(partial_refs);
+  Reset(p, false, sum_transfers, sum_refs, &sums);
+  Reset(p, true, partials, partial_refs, &parts);
   // Where r's next partial on each owner and its refs go.
   thread_local std::vector<uint32_t> thread_next, thread_next_ref;
   thread_next.assign(first.begin(), first.end() - 1);
@@ -233,10 +231,7 @@ Status JoinMoeCombineShares(const MoeOpShape& p, const std::vector<const MoeComb
     // Owner by owner (the owner's j-th scratch block is its j-th partial),
     // ranks ascending within an owner.
     Plan& out = plans->partials;
-    Reset(p, true, &out);
-    out.transfers.resize(partials);
-    out.refs.resize(partial_refs);
-    out.weights.resize(partial_refs);
+    Reset(p, true, partials, partial_refs, &out);
     plans->first_partial.assign(n, 0);
     uint32_t transfer = 0, ref = 0;
     for (int o = 0; o < n; ++o) {
@@ -266,10 +261,7 @@ Status JoinMoeCombineShares(const MoeOpShape& p, const std::vector<const MoeComb
     // Rank by rank; a sum's partial (scratch block in_blocks + j of its
     // owner o) moves past o's partials of lower ranks.
     Plan& out = plans->sums;
-    Reset(p, false, &out);
-    out.transfers.resize(sum_transfers);
-    out.refs.resize(sum_refs);
-    out.weights.resize(sum_refs);
+    Reset(p, false, sum_transfers, sum_refs, &out);
     thread_local std::vector<int32_t> thread_placed;  // per owner: partials of the ranks so far
     thread_placed.assign(n, 0);
     int32_t* const placed = thread_placed.data();

@@ -1202,6 +1202,67 @@ void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
     for (const ChunkBytes& b : plan->chunk_bytes) carried += b.carried, local += b.local;
   CHECK(carried == distinct * rb + accepted * 4 && local == accepted * rb,
         name.str() << ": carried " << carried << " local " << local);
+  if (staged) return;
+
+  // The runtime's strata path: each owner's share, built from its own fields
+  // alone, weights filled in, partitioned alone and run fused with its own
+  // carry (algorithms/moe.cc), in any order, gives the joined run's bits,
+  // and every NPU's lanes the joined plans' tasks (the carry's on the lanes
+  // chosen over all shares).
+  std::vector<MoeBackwardShare> shares(n);
+  std::vector<const MoeBackwardShare*> views;
+  for (int o = 0; o < n; ++o) {
+    const Status built = BuildMoeBackwardShare(p, o, slot_ptrs[o], source_ptrs[o], &shares[o]);
+    CHECK(built.ok, name.str() << ": share " << o << " refused: " << built.message);
+    FillMoeBackwardWeights(p, w_ptrs, &shares[o]);
+    Partition(shares[o].scale, p.cores, p.planner);
+    Partition(shares[o].dots, p.cores, p.planner, shares[o].dots.block_bytes);
+    views.push_back(&shares[o]);
+  }
+  const bool on_sdma = MoeBackwardCarryOnSdma(p, views);
+  CHECK(on_sdma == carry.on_sdma, name.str() << ": the shares' carry lanes differ from the joined carry's");
+  const std::shared_ptr<void> unowned;  // the shares outlive the phases
+  auto at_zero = std::make_shared<const std::vector<uint32_t>>(n, 0);
+  std::vector<FusedPlan> scale_set, dot_set;
+  for (int o = 0; o < n; ++o) {
+    shares[o].carry.on_sdma = on_sdma;
+    Partition(shares[o].carry, on_sdma ? p.engines : p.cores, p.planner);
+    const std::shared_ptr<const Plan> produced(unowned, &shares[o].carry);
+    scale_set.push_back({std::shared_ptr<const Plan>(unowned, &shares[o].scale), produced, at_zero});
+    dot_set.push_back({std::shared_ptr<const Plan>(unowned, &shares[o].dots), produced, at_zero});
+  }
+  std::vector<std::vector<float>> d_ey_shares(n, std::vector<float>(per_rank * hidden, std::nanf(""))),
+      d_w_shares(n, std::vector<float>(pairs, std::nanf("")));
+  PlanBuffers share_scale, share_dot;
+  for (int r = 0; r < n; ++r) {
+    share_scale.out.push_back(d_ey_shares[r].data());
+    share_dot.in.push_back(ey[r].data());
+    share_dot.out.push_back(d_w_shares[r].data());
+  }
+  share_scale.producer_in = share_dot.producer_in = to_carry.in;
+  const Phase by_share = Together(PlanSetPhase(std::move(scale_set), share_scale, devices, true),
+                                  PlanSetPhase(std::move(dot_set), share_dot, devices, true));
+  for (uint64_t i = by_share.count; i-- > 0;) by_share.run(i);
+  int64_t differ = 0;
+  for (int r = 0; r < n; ++r) {
+    differ += std::memcmp(d_ey_shares[r].data(), d_ey[r].data(), d_ey[r].size() * 4) != 0;
+    differ += std::memcmp(d_w_shares[r].data(), d_w[r].data(), d_w[r].size() * 4) != 0;
+  }
+  CHECK(differ == 0, name.str() << ": " << differ << " ranks' results differ run share by share");
+  for (int o = 0; o < n; ++o)
+    for (int which = 0; which < 3; ++which) {
+      const Plan& whole = which == 0 ? carry : which == 1 ? scale : dots;
+      const Plan& part = which == 0 ? shares[o].carry : which == 1 ? shares[o].scale : shares[o].dots;
+      std::vector<std::pair<int32_t, int64_t>> joined, alone;
+      for (const LaneTask& t : whole.tasks)
+        if (t.npu == o) joined.push_back({t.lane, t.bytes});
+      for (const LaneTask& t : part.tasks) {
+        CHECK(t.npu == o, name.str() << ": owner " << o << "'s share has work on NPU " << t.npu);
+        alone.push_back({t.lane, t.bytes});
+      }
+      CHECK(joined == alone, name.str() << ": owner " << o << "'s lanes of plan " << which
+                                        << " differ between its share and the joined plan");
+    }
 }
 
 void CheckMoeBackwardPlans(int64_t* plans) {

@@ -759,6 +759,18 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
 }
 
 namespace {
+std::shared_ptr<MoeBackwardShare> AcquireBackwardShare() {
+  return AcquirePooled<MoeBackwardShare>(
+      SIZE_MAX, [](const MoeBackwardShare& share) { return share.CapacityBytes(); }, int64_t{64} << 20);
+}
+
+struct BackwardRank : RankState {
+  using RankState::RankState;
+  // This rank's share of the op's plans as an owner, built from its own
+  // dispatch fields before it joined (algorithms/moe_backward_plan.h).
+  std::shared_ptr<MoeBackwardShare> share;
+};
+
 // Every kept pair's slot names it as its source, and every filled slot's
 // source pair points back at it. Pointers as published by the backward op.
 std::string CrossCheckLayout(const Slot& s, int n, int64_t pairs, int64_t slots_per_rank) {
@@ -809,7 +821,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   const int64_t wsize = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
   // buffer_centric: ct_y and the expert rows are staged in (owners read a
   // token's ct_y row from its rank's comm buffer), both results out.
-  auto me = std::make_unique<RankState>(
+  auto me = std::make_unique<BackwardRank>(
       kCombineBwdName, p, c.device,
       std::initializer_list<RowBuffers::In>{{ct_y, p.tokens * rb}, {expert_y, slots_per_rank * rb}},
       std::initializer_list<RowBuffers::Out>{{d_expert_y, slots_per_rank * rb}, {d_weights, pairs * wsize}});
@@ -820,6 +832,24 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   st = me->rows.Acquire();
   if (!st.ok) return done(st);
   GlobalStats().ops++;
+  // This rank's share of the plans as an owner (algorithms/moe_backward_plan.h:
+  // its carried rows, their scale and dots, its zeros) depends on its own
+  // dispatch fields alone: built here, before the rank joins, while its
+  // peers are on their way (built at the rendezvous, by owner, laid out,
+  // joined and partitioned, the plans were ~2 ms of a ~12 ms backward). It
+  // runs on this rank's NPU alone, so in strata mode it is partitioned here
+  // too, as the joined plans would be.
+  const bool direct = me->rows.direct();
+  if (me->bad.empty()) {
+    me->share = AcquireBackwardShare();
+    const Status built = BuildMoeBackwardShare(p, c.rank, pair_slot, slot_source, me->share.get());
+    if (!built.ok) {
+      me->bad = Where(kCombineBwdName, p, c) + built.message;
+    } else if (direct) {
+      Partition(me->share->scale, p.cores, p.planner);
+      Partition(me->share->dots, p.cores, p.planner, /*align=*/me->share->dots.block_bytes);
+    }
+  }
 
   enum { kCt = 0, kEy, kW, kPairSlot, kSlotSource, kDEy, kDW };
   PtrList ptrs = {me->rows.in(0), me->rows.in(1), const_cast<void*>(weights),
@@ -830,43 +860,78 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
     const int n = p.group_size;
     const int64_t pairs = p.tokens * p.topk;
     const int64_t slots_per_rank = p.local_experts() * p.capacity;
-    std::vector<RankState*> ranks = Ranks<RankState>(s);
+    std::vector<BackwardRank*> ranks = Ranks<BackwardRank>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
     // In range is not enough: the two fields must describe one layout, or a
     // row's gradient would go to a token that never sent it.
     if (std::string bad = CrossCheckLayout(s, n, pairs, slots_per_rank); !bad.empty()) {
-      for (RankState* r : ranks) r->error = bad;
+      for (BackwardRank* r : ranks) r->error = bad;
       return Status::Ok();
     }
     const bool direct = ranks[0]->rows.direct();
-
-    // Three plans (algorithms/moe_backward_plan.h): ct_y crosses once per
-    // (token, rank), then the owners scale it into every row of the token
-    // and take its dot with each of the token's expert rows there, one
-    // value back per pair. Built by owner (a task each), laid out serially,
-    // joined by owner, partitioned (a task per plan), then run.
-    auto plans = AcquirePooled<MoeBackwardPlans>();
-    std::vector<const int32_t*> pair_slot(n), slot_source(n);
+    const MoeOpShape& shape = p;
+    std::vector<std::shared_ptr<MoeBackwardShare>> shares;
+    std::vector<const MoeBackwardShare*> views;
     std::vector<const void*> weights(n);
     for (int r = 0; r < n; ++r) {
-      pair_slot[r] = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
-      slot_source[r] = static_cast<const int32_t*>(s.ptrs[r][kSlotSource]);
+      shares.push_back(ranks[r]->share);
+      views.push_back(ranks[r]->share.get());
       weights[r] = s.ptrs[r][kW];
     }
-    auto builder = std::make_shared<MoeBackwardPlanBuilder>(p, std::move(pair_slot), std::move(slot_source),
-                                                            std::move(weights), plans.get());
-    Phase owners;
-    owners.count = n;
-    owners.run = [builder](uint64_t o) { builder->Owner(static_cast<int>(o)); };
-    Phase join;
-    join.count = n;
-    join.run = [builder](uint64_t o) { builder->Join(static_cast<int>(o)); };
+    std::vector<Phase> phases;
+    if (direct) {
+      const bool carry_on_sdma = MoeBackwardCarryOnSdma(shape, views);
+      // The owners' shares as they are: each fills in its weights, and its
+      // carry is partitioned on the lanes chosen for all (only to credit
+      // them: the carry is fused into its readers); then one pass on the
+      // owners, each carried row read where it comes from, the token's ct_y.
+      Phase prepare;
+      prepare.count = n;
+      prepare.run = [shape = shape, shares, weights, carry_on_sdma, devices = s.devices](uint64_t o) {
+        MoeBackwardShare& share = *shares[o];
+        FillMoeBackwardWeights(shape, weights, &share);
+        share.carry.on_sdma = carry_on_sdma;
+        Partition(share.carry, carry_on_sdma ? shape.engines : shape.cores, shape.planner);
+        CreditPlan(share.carry, devices, /*direct=*/true);
+      };
+      auto at_zero = std::make_shared<const std::vector<uint32_t>>(n, 0);  // a share's carry starts at 0
+      std::vector<FusedPlan> scales, dots;
+      PlanBuffers to_scale, to_dot;
+      for (int r = 0; r < n; ++r) {
+        const std::shared_ptr<const MoeBackwardShare> share = shares[r];
+        const std::shared_ptr<const Plan> carry(share, &share->carry);
+        scales.push_back({std::shared_ptr<const Plan>(share, &share->scale), carry, at_zero});
+        dots.push_back({std::shared_ptr<const Plan>(share, &share->dots), carry, at_zero});
+        to_scale.out.push_back(s.ptrs[r][kDEy]);
+        to_dot.in.push_back(s.ptrs[r][kEy]);
+        to_dot.out.push_back(s.ptrs[r][kDW]);
+        to_scale.producer_in.push_back(s.ptrs[r][kCt]);
+      }
+      to_dot.producer_in = to_scale.producer_in;
+      phases.push_back(std::move(prepare));
+      phases.push_back(Together(PlanSetPhase(std::move(scales), to_scale, s.devices, true),
+                                PlanSetPhase(std::move(dots), to_dot, s.devices, true)));
+      Schedule(std::move(phases), *ranks[0], n, job);
+      return Status::Ok();
+    }
+    // buffer_centric: the shares joined into the group's three plans (laid
+    // out here, sizes only; each owner's weights filled and copied in by a
+    // task), partitioned (a task per plan), then run from the comm buffers.
+    auto plans = AcquirePooled<MoeBackwardPlans>();
+    auto join = std::make_shared<MoeBackwardJoin>(shape, views, plans.get());
+    join->Layout();
+    Phase joined;
+    joined.count = n;
+    joined.run = [shape = shape, shares, weights, join](uint64_t o) {
+      FillMoeBackwardWeights(shape, weights, shares[o].get());
+      join->Join(static_cast<int>(o));
+    };
     Phase partition;  // a task per plan
     partition.count = 3;
-    partition.run = [p = static_cast<const MoeOpShape&>(p), plans](uint64_t which) {
-      PartitionMoeBackwardPlan(p, plans.get(), static_cast<int>(which));
+    partition.run = [shape = shape, plans](uint64_t which) {
+      PartitionMoeBackwardPlan(shape, plans.get(), static_cast<int>(which));
     };
-    partition.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices, direct](Job* more) {
+    partition.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices](Job* more) {
       const int n = static_cast<int>(ranks.size());
       std::shared_ptr<const Plan> carry(plans, &plans->carry), scale(plans, &plans->scale),
           dots(plans, &plans->dots);
@@ -877,28 +942,19 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
         to_dot.out.push_back(ptrs[r][kDW]);
       }
       // One pass on the owners: each carried row is read where it comes from
-      // (the carry fused into both readers; its lanes credited once): the
-      // token's ct_y, or in buffer_centric its staged copy in the token's
-      // comm buffer, which peers read as they read a collective's.
+      // (the carry fused into both readers; its lanes credited once): its
+      // staged copy in the token's comm buffer, which peers read as they
+      // read a collective's.
       for (int r = 0; r < n; ++r) to_scale.producer_in.push_back(ptrs[r][kCt]);
       to_dot.producer_in = to_scale.producer_in;
       more->phases.push_back(Together(
-          PlanPhase(scale, to_scale, devices, direct, false, carry, plans->first_carry),
-          PlanPhase(dots, to_dot, devices, direct, false, carry, plans->first_carry, /*credit_producer=*/false)));
-      if (!direct) more->phases.push_back(StagePhase(ranks, /*in=*/false));
+          PlanPhase(scale, to_scale, devices, false, false, carry, plans->first_carry),
+          PlanPhase(dots, to_dot, devices, false, false, carry, plans->first_carry, /*credit_producer=*/false)));
+      more->phases.push_back(StagePhase(ranks, /*in=*/false));
     };
-    join.then = [partition = std::move(partition)](Job* more) mutable { more->phases.push_back(std::move(partition)); };
-    owners.then = [builder, ranks, join = std::move(join)](Job* more) mutable {
-      const Status st = builder->Layout();
-      if (!st.ok) {
-        for (RankState* r : ranks) r->error = st.message;
-        return;
-      }
-      more->phases.push_back(std::move(join));
-    };
-    std::vector<Phase> phases;
-    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/true));
-    phases.push_back(std::move(owners));
+    phases.push_back(StagePhase(ranks, /*in=*/true));
+    phases.push_back(std::move(joined));
+    phases.push_back(std::move(partition));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

@@ -38,138 +38,154 @@ void ResetAll(const MoeOpShape& p, Plan* carry, Plan* scale, Plan* dots) {
 }
 }  // namespace
 
-MoeBackwardPlanBuilder::MoeBackwardPlanBuilder(const MoeOpShape& p, std::vector<const int32_t*> pair_slot,
-                                               std::vector<const int32_t*> slot_source,
-                                               std::vector<const void*> weights, MoeBackwardPlans* plans)
-    : p_(p), pair_slot_(std::move(pair_slot)), slot_source_(std::move(slot_source)),
-      weights_(std::move(weights)), plans_(plans) {
-  plans->shares.resize(p.group_size);
-  for (auto& at : transfer_at_) at.assign(p.group_size + 1, 0);
-  for (auto& at : ref_at_) at.assign(p.group_size + 1, 0);
+int64_t MoeBackwardShare::CapacityBytes() const {
+  int64_t bytes = 0;
+  for (const Plan* plan : {&carry, &scale, &dots})
+    bytes += plan->refs.capacity() * sizeof(BlockRef) + plan->transfers.capacity() * sizeof(Transfer) +
+             plan->weights.capacity() * sizeof(double) + plan->pieces.capacity() * sizeof(Piece) +
+             plan->tasks.capacity() * sizeof(LaneTask) + plan->moves.capacity() * sizeof(Move);
+  return bytes + weight_source.capacity() * sizeof(int32_t) + carry_rank_bytes.capacity() * sizeof(int64_t) +
+         by_source.capacity() * sizeof(uint64_t) + lead.capacity() * sizeof(int32_t);
 }
 
-void MoeBackwardPlanBuilder::Owner(int o) {
-  const MoeOpShape& p = p_;
+Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slot, const int32_t* slot_source,
+                             MoeBackwardShare* share) {
   const int n = p.group_size;
   const int64_t k_top = p.topk, pairs = p.tokens * p.topk;
   const int64_t per_rank = p.local_experts() * p.capacity, slots = n * per_rank;
-  MoeBackwardPlans::Share& share = plans_->shares[o];
-  share.error.clear();
-  ResetAll(p, &share.carry, &share.scale, &share.dots);
-  if (slots > INT32_MAX || n * pairs > INT32_MAX) {
-    share.error = std::string(kName) + ": more than 2^31 slots or pairs in a group is not supported";
-    return;
-  }
-  const bool wide = p.dtype == DType::F64;  // float64 weights
-  auto weight_of = [&](int r, int64_t pair) -> double {
-    if (weights_.empty() || !weights_[r]) return 1.0;
-    return wide ? static_cast<const double*>(weights_[r])[pair] : static_cast<const float*>(weights_[r])[pair];
-  };
-  auto fail = [&](const std::string& why) { share.error = std::string(kName) + ": " + why; };
-  const int32_t* sources = slot_source_[o];
-  const int64_t first_slot = static_cast<int64_t>(o) * per_rank;
-  // The row of the lowest k of a token's pairs on this owner (its lead).
-  auto lead_row = [&](const int32_t* token_slots) -> int64_t {
-    for (int64_t k = 0; k < k_top; ++k)
-      if (token_slots[k] >= first_slot && token_slots[k] < first_slot + per_rank) return token_slots[k] - first_slot;
-    return -1;
-  };
+  ResetAll(p, &share->carry, &share->scale, &share->dots);
+  share->weight_source.clear();
+  share->carry_rank_bytes.assign(n, 0);
+  if (slots > INT32_MAX || n * pairs > INT32_MAX)
+    return Status::Error(std::string(kName) + ": more than 2^31 slots or pairs in a group is not supported");
+  auto fail = [&](const std::string& why) { return Status::Error(std::string(kName) + ": " + why); };
 
-  // Pass 1: a carried row per (token, owner), in the order of its lead's row.
+  // The filled rows by source: a token's rows on this owner (sources
+  // r * pairs + t * topk + k) are then together, k ascending; the first of
+  // them leads the token here (its carried row's scratch block is numbered
+  // in the order of the leads' rows).
+  std::vector<uint64_t>& by_source = share->by_source;
+  std::vector<int32_t>& lead = share->lead;
+  by_source.clear();
+  lead.assign(per_rank, -1);
   for (int64_t row = 0; row < per_rank; ++row) {
-    const int32_t src = sources[row];
+    const int32_t src = slot_source[row];
     if (src == -1) continue;
     if (src < -1 || src >= n * pairs) {
       std::ostringstream os;
       os << "owner " << o << "'s slot_source[" << row << "] = " << src << " is outside [-1, " << n * pairs << ")";
       return fail(os.str());
     }
-    // 32-bit divides (src < 2^31): a 64-bit one per row was a third of the build.
-    const uint32_t u_src = static_cast<uint32_t>(src), u_pairs = static_cast<uint32_t>(pairs);
-    const int r = static_cast<int>(u_src / u_pairs);
-    const int64_t pair = u_src - static_cast<uint32_t>(r) * u_pairs;
-    const int64_t t = static_cast<uint32_t>(pair) / static_cast<uint32_t>(k_top);
-    const int32_t* token_slots = pair_slot_[r] + t * k_top;
-    if (token_slots[pair - t * k_top] != first_slot + row) {
-      std::ostringstream os;
-      os << "owner " << o << "'s row " << row << " names rank " << r << "'s pair " << pair
-         << " as its source, but that pair's slot is " << token_slots[pair - t * k_top]
-         << ": the handle was modified or mixes two dispatches";
-      return fail(os.str());
-    }
-    if (lead_row(token_slots) != row) continue;
-    const BlockRef from{r, static_cast<int32_t>(t)}, to{o, static_cast<int32_t>(share.carry.transfers.size())};
-    share.carry.Add(&from, 1, &to, 1);
+    by_source.push_back(static_cast<uint64_t>(src) << 32 | static_cast<uint64_t>(row));
   }
-  // Pass 2, token by token (a carried row at a time, so its readers follow
-  // one another and it is read from cache: in row order each token's row
-  // came back from memory once per pair, scale and dots alike): w x the
-  // carried row into each of the token's rows here, k ascending, and each
-  // pair's dot. Then the runs of empty rows, zeroed.
-  for (uint32_t j = 0; j < share.carry.transfers.size(); ++j) {
-    const BlockRef& token = share.carry.refs[share.carry.transfers[j].src_begin];
-    const int r = token.rank;
-    const int32_t* token_slots = pair_slot_[r] + static_cast<int64_t>(token.block) * k_top;
-    for (int64_t k = 0; k < k_top; ++k) {
-      const int64_t row = token_slots[k] - first_slot;
-      if (row < 0 || row >= per_rank) continue;
-      const int64_t pair = static_cast<int64_t>(token.block) * k_top + k;
-      if (sources[row] != r * pairs + pair) {
-        std::ostringstream os;
-        os << "rank " << r << "'s pair " << pair << " has slot " << token_slots[k] << " but that slot's source is "
-           << sources[row] << ": the handle was modified or mixes two dispatches";
-        return fail(os.str());
-      }
-      const BlockRef dst{o, static_cast<int32_t>(row)};
-      const BlockRef from{o, static_cast<int32_t>(j)};  // scale's scratch starts at block 0 (no input)
-      const double w = weight_of(r, pair);
-      share.scale.AddWeighted(&from, &w, 1, &dst, 1);
+  std::sort(by_source.begin(), by_source.end());
+  // 32-bit divides (sources < 2^31): a 64-bit one per row was a third of the build.
+  const uint32_t u_topk = static_cast<uint32_t>(k_top), u_pairs = static_cast<uint32_t>(pairs);
+  auto token_of = [&](uint64_t entry) { return static_cast<uint32_t>(entry >> 32) / u_topk; };
+  for (size_t i = 0; i < by_source.size(); ++i)
+    if (i == 0 || token_of(by_source[i]) != token_of(by_source[i - 1]))
+      lead[static_cast<uint32_t>(by_source[i])] = static_cast<int32_t>(i);
+
+  // Token by token, in the order of their leads' rows (a carried row at a
+  // time, so its readers follow one another and it is read from cache: in
+  // row order each token's row came back from memory once per pair, scale
+  // and dots alike): the carried row, then w x it into each of the token's
+  // rows here, k ascending, and each pair's dot.
+  for (int64_t row = 0; row < per_rank; ++row) {
+    if (lead[row] < 0) continue;
+    const uint32_t first = static_cast<uint32_t>(lead[row]);
+    const uint32_t token = token_of(by_source[first]);  // r * tokens + t
+    const uint32_t r = token / static_cast<uint32_t>(p.tokens), t = token - r * static_cast<uint32_t>(p.tokens);
+    const int32_t j = static_cast<int32_t>(share->carry.transfers.size());
+    const BlockRef from{static_cast<int32_t>(r), static_cast<int32_t>(t)}, to{o, j};
+    share->carry.Add(&from, 1, &to, 1);
+    for (size_t i = first; i < by_source.size() && token_of(by_source[i]) == token; ++i) {
+      const uint32_t src = static_cast<uint32_t>(by_source[i] >> 32);
+      const int32_t dst_row = static_cast<int32_t>(static_cast<uint32_t>(by_source[i]));
+      const int64_t pair = src - r * u_pairs;
+      const BlockRef dst{o, dst_row};
+      const BlockRef carried{o, j};  // scale's scratch starts at block 0 (no input)
+      const double w = 1.0;
+      share->weight_source.resize(share->scale.refs.size() + 2, -1);
+      share->weight_source[share->scale.refs.size()] = static_cast<int32_t>(src);
+      share->scale.AddWeighted(&carried, &w, 1, &dst, 1);
       const BlockRef operands[2] = {{o, static_cast<int32_t>(per_rank + j)}, dst};
-      const BlockRef value{r, static_cast<int32_t>(pair)};
-      share.dots.Add(operands, 2, &value, 1);
+      const BlockRef value{static_cast<int32_t>(r), static_cast<int32_t>(pair)};
+      share->dots.Add(operands, 2, &value, 1);
     }
   }
+  // The runs of empty rows, zeroed.
   for (int64_t row = 0; row < per_rank;) {
-    if (sources[row] >= 0) {
+    if (slot_source[row] >= 0) {
       ++row;
       continue;
     }
     int64_t end = row + 1;
-    while (end < per_rank && sources[end] < 0) ++end;
+    while (end < per_rank && slot_source[end] < 0) ++end;
     const BlockRef dst{o, static_cast<int32_t>(row)};
-    share.scale.Add(nullptr, 0, &dst, 1, static_cast<uint32_t>(end - row));
+    share->weight_source.resize(share->scale.refs.size() + 1, -1);
+    share->scale.Add(nullptr, 0, &dst, 1, static_cast<uint32_t>(end - row));
     row = end;
   }
   // Rank o's dropped pairs' values, zeroed on it, a run at a time.
-  const int32_t* mine = pair_slot_[o];
   for (int64_t i = 0; i < pairs;) {
-    if (mine[i] != -1) {
-      if (mine[i] < -1 || mine[i] >= slots) {
+    if (pair_slot[i] != -1) {
+      if (pair_slot[i] < -1 || pair_slot[i] >= slots) {
         std::ostringstream os;
-        os << "rank " << o << "'s pair_slot[" << i << "] = " << mine[i] << " is outside [-1, " << slots << ")";
+        os << "rank " << o << "'s pair_slot[" << i << "] = " << pair_slot[i] << " is outside [-1, " << slots << ")";
         return fail(os.str());
       }
       ++i;
       continue;
     }
     int64_t end = i + 1;
-    while (end < pairs && mine[end] == -1) ++end;
+    while (end < pairs && pair_slot[end] == -1) ++end;
     const BlockRef value{o, static_cast<int32_t>(i)};
-    share.dots.Add(nullptr, 0, &value, 1, static_cast<uint32_t>(end - i));
+    share->dots.Add(nullptr, 0, &value, 1, static_cast<uint32_t>(end - i));
     i = end;
+  }
+  AddRankBytes(share->carry, &share->carry_rank_bytes);
+  return Status::Ok();
+}
+
+void FillMoeBackwardWeights(const MoeOpShape& p, const std::vector<const void*>& weights, MoeBackwardShare* share) {
+  const int64_t pairs = p.tokens * p.topk;
+  const bool wide = p.dtype == DType::F64;  // float64 weights
+  std::vector<double>& w = share->scale.weights;
+  for (size_t i = 0; i < share->weight_source.size(); ++i) {
+    const int32_t src = share->weight_source[i];
+    if (src < 0) continue;
+    const int r = static_cast<int>(src / pairs);
+    const int64_t pair = src - r * pairs;
+    const void* mine = weights.empty() ? nullptr : weights[r];
+    w[i] = !mine ? 1.0 : wide ? static_cast<const double*>(mine)[pair] : static_cast<const float*>(mine)[pair];
   }
 }
 
-Status MoeBackwardPlanBuilder::Layout() {
+bool MoeBackwardCarryOnSdma(const MoeOpShape& p, const std::vector<const MoeBackwardShare*>& shares,
+                            double descriptor_us, double sdma_gbps) {
+  std::vector<int64_t> rank_bytes(p.group_size, 0);
+  for (const MoeBackwardShare* share : shares)
+    for (int r = 0; r < p.group_size; ++r) rank_bytes[r] += share->carry_rank_bytes[r];
+  const int64_t busiest = rank_bytes.empty() ? 0 : *std::max_element(rank_bytes.begin(), rank_bytes.end());
+  return MovesOnSdma(busiest, p.engines, descriptor_us, sdma_gbps);
+}
+
+MoeBackwardJoin::MoeBackwardJoin(const MoeOpShape& p, std::vector<const MoeBackwardShare*> shares,
+                                 MoeBackwardPlans* plans)
+    : p_(p), shares_(std::move(shares)), plans_(plans) {
+  for (auto& at : transfer_at_) at.assign(p.group_size + 1, 0);
+  for (auto& at : ref_at_) at.assign(p.group_size + 1, 0);
+}
+
+void MoeBackwardJoin::Layout() {
   const int n = p_.group_size;
   MoeBackwardPlans& plans = *plans_;
-  for (int o = 0; o < n; ++o)
-    if (!plans.shares[o].error.empty()) return Status::Error(plans.shares[o].error);
   ResetAll(p_, &plans.carry, &plans.scale, &plans.dots);
   Plan* whole[3] = {&plans.carry, &plans.scale, &plans.dots};
   int64_t scratch_blocks = 0;
   for (int o = 0; o < n; ++o) {
-    const MoeBackwardPlans::Share& share = plans.shares[o];
+    const MoeBackwardShare& share = *shares_[o];
     const Plan* part[3] = {&share.carry, &share.scale, &share.dots};
     for (int i = 0; i < 3; ++i) {
       transfer_at_[i][o + 1] = transfer_at_[i][o] + static_cast<uint32_t>(part[i]->transfers.size());
@@ -186,12 +202,11 @@ Status MoeBackwardPlanBuilder::Layout() {
   plans.scale.scratch_blocks = scratch_blocks;
   plans.dots.scratch_blocks = scratch_blocks;
   plans.first_carry.assign(transfer_at_[0].begin(), transfer_at_[0].end() - 1);
-  return Status::Ok();
 }
 
-void MoeBackwardPlanBuilder::Join(int o) {
+void MoeBackwardJoin::Join(int o) {
   MoeBackwardPlans& plans = *plans_;
-  const MoeBackwardPlans::Share& share = plans.shares[o];
+  const MoeBackwardShare& share = *shares_[o];
   Plan* whole[3] = {&plans.carry, &plans.scale, &plans.dots};
   const Plan* part[3] = {&share.carry, &share.scale, &share.dots};
   for (int i = 0; i < 3; ++i) {
@@ -214,11 +229,32 @@ void MoeBackwardPlanBuilder::Join(int o) {
 Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
                              const std::vector<const int32_t*>& slot_source,
                              const std::vector<const void*>& weights, MoeBackwardPlans* plans) {
-  MoeBackwardPlanBuilder builder(p, pair_slot, slot_source, weights, plans);
-  for (int o = 0; o < p.group_size; ++o) builder.Owner(o);
-  const Status st = builder.Layout();
-  if (!st.ok) return st;
-  for (int o = 0; o < p.group_size; ++o) builder.Join(o);
+  const int n = p.group_size;
+  const int64_t pairs = p.tokens * p.topk, per_rank = p.local_experts() * p.capacity;
+  plans->shares.resize(n);
+  std::vector<const MoeBackwardShare*> shares;
+  for (int o = 0; o < n; ++o) {
+    MoeBackwardShare& share = plans->shares[o];
+    const Status st = BuildMoeBackwardShare(p, o, pair_slot[o], slot_source[o], &share);
+    if (!st.ok) return st;
+    shares.push_back(&share);
+  }
+  // The two fields must describe one layout (the runtime checks the same
+  // at its rendezvous before it runs a plan).
+  for (int o = 0; o < n; ++o)
+    for (int64_t row = 0; row < per_rank; ++row) {
+      const int32_t src = slot_source[o][row];
+      if (src < 0 || pair_slot[src / pairs][src % pairs] == o * per_rank + row) continue;
+      std::ostringstream os;
+      os << kName << ": owner " << o << "'s row " << row << " names rank " << src / pairs << "'s pair "
+         << src % pairs << " as its source, but that pair's slot is " << pair_slot[src / pairs][src % pairs]
+         << ": the handle was modified or mixes two dispatches";
+      return Status::Error(os.str());
+    }
+  for (MoeBackwardShare& share : plans->shares) FillMoeBackwardWeights(p, weights, &share);
+  MoeBackwardJoin join(p, shares, plans);
+  join.Layout();
+  for (int o = 0; o < n; ++o) join.Join(o);
   return Status::Ok();
 }
 

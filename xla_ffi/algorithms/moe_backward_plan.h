@@ -25,6 +25,44 @@
 
 namespace strata {
 
+// One owner's share of the three plans: its carried rows, their scale into
+// its rows and their dots with its expert rows, its empty rows zeroed and
+// rank o's own dropped pairs' values zeroed. Everything in it runs on owner
+// o's NPU, so a share partitioned alone is the joined plans' NPU o, lane for
+// lane. It depends on o's own dispatch fields alone (a token's rows on o are
+// found by their sources, r * tokens * topk + pair), so the runtime builds it
+// in o's handler, before o joins; only the weights are peers' (the token
+// ranks'), filled in at the rendezvous (FillMoeBackwardWeights).
+struct MoeBackwardShare {
+  Plan carry, scale, dots;
+  // Per ref of `scale`: the pair whose weight it takes (its source, as in
+  // slot_source), or -1.
+  std::vector<int32_t> weight_source;
+  // Bytes each rank reads + writes in `carry` (AddRankBytes): the carry's
+  // lanes are chosen over the busiest rank's sum of every share's.
+  std::vector<int64_t> carry_rank_bytes;
+  // The build's scratch, kept with the share so a pooled share reuses it.
+  std::vector<uint64_t> by_source;  // (source << 32 | row) of the filled rows, sorted
+  std::vector<int32_t> lead;        // per row: its token's first entry in by_source if it leads, else -1
+  int64_t CapacityBytes() const;
+};
+
+// Owner o's share from its own fields: pair_slot (its [tokens * topk]
+// slots) and slot_source (its [local_experts * capacity] sources). A slot
+// or source out of range is an error naming the op; whether the two agree
+// across ranks is the caller's to check (it takes every rank's fields).
+// The scale's weights are 1 until filled.
+Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slot, const int32_t* slot_source,
+                             MoeBackwardShare* share);
+
+// The share's scale weights from the token ranks' weights (weights[r]:
+// [tokens * topk], float32; float64 for F64 rows; empty: all 1).
+void FillMoeBackwardWeights(const MoeOpShape& p, const std::vector<const void*>& weights, MoeBackwardShare* share);
+
+// The carry's lanes as PlanMovesOnSdma would choose them for the joined carry.
+bool MoeBackwardCarryOnSdma(const MoeOpShape& p, const std::vector<const MoeBackwardShare*>& shares,
+                            double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
+
 struct MoeBackwardPlans {
   Plan carry;  // input: each rank's ct_y rows; output: its scratch
   Plan scale;  // scratch: the carried rows; output: d_expert_y
@@ -32,36 +70,23 @@ struct MoeBackwardPlans {
   // Per rank: its first transfer in `carry`; the one writing its scratch
   // block j is first_carry[r] + j.
   std::vector<uint32_t> first_carry;
-  // The builder's per-owner shares, kept with the plans (the runtime pools
-  // them, so their arrays are reused op to op).
-  struct Share {
-    Plan carry, scale, dots;
-    std::string error;
-  };
-  std::vector<Share> shares;
+  // BuildMoeBackwardPlans' shares (the runtime's come from its handlers).
+  std::vector<MoeBackwardShare> shares;
 };
 
-// BuildMoeBackwardPlans in steps that may run in parallel (the runtime runs
-// them as phases): Owner(o) for every rank (writes only share o), then
-// Layout (serial: the first error; places every share), then Join(o) for
-// every rank (copies share o into the plans). The same plans as the serial
-// build.
-class MoeBackwardPlanBuilder {
+// The shares joined into the group's plans in steps that may run in
+// parallel (the runtime runs them as phases): Layout (serial, sizes only),
+// then Join(o) for every owner (copies share o in place). The shares'
+// weights must be filled first.
+class MoeBackwardJoin {
  public:
-  // Builds into *plans (which must outlive the steps), from the arrays below.
-  MoeBackwardPlanBuilder(const MoeOpShape& p, std::vector<const int32_t*> pair_slot,
-                         std::vector<const int32_t*> slot_source, std::vector<const void*> weights,
-                         MoeBackwardPlans* plans);
-  // Owner o's carried rows, its rows' scale and its pairs' dots, and rank
-  // o's dropped pairs' zeroed values.
-  void Owner(int o);
-  Status Layout();
+  MoeBackwardJoin(const MoeOpShape& p, std::vector<const MoeBackwardShare*> shares, MoeBackwardPlans* plans);
+  void Layout();
   void Join(int o);
 
  private:
   MoeOpShape p_;
-  std::vector<const int32_t*> pair_slot_, slot_source_;
-  std::vector<const void*> weights_;
+  std::vector<const MoeBackwardShare*> shares_;
   MoeBackwardPlans* plans_;
   // Per owner, after Layout: where its share's transfers and refs go in
   // each plan (carry, scale, dots).
@@ -74,7 +99,8 @@ class MoeBackwardPlanBuilder {
 // (algorithms/moe.h). weights[r]: rank r's [tokens * topk] weights (float32;
 // float64 for F64 rows), or empty for all 1 (the model, which times bytes).
 // A slot or source out of range, or a slot whose source is not its pair, is
-// an error naming the op. The plans are unpartitioned.
+// an error naming the op. The plans are unpartitioned: the shares, filled
+// and joined.
 Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
                              const std::vector<const int32_t*>& slot_source,
                              const std::vector<const void*>& weights, MoeBackwardPlans* plans);

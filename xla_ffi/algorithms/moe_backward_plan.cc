@@ -45,6 +45,7 @@ int64_t MoeBackwardShare::CapacityBytes() const {
              plan->weights.capacity() * sizeof(double) + plan->pieces.capacity() * sizeof(Piece) +
              plan->tasks.capacity() * sizeof(LaneTask) + plan->moves.capacity() * sizeof(Move);
   return bytes + weight_source.capacity() * sizeof(int32_t) + carry_rank_bytes.capacity() * sizeof(int64_t) +
+         row_transfer.capacity() * sizeof(uint32_t) +
          by_source.capacity() * sizeof(uint64_t) + lead.capacity() * sizeof(int32_t);
 }
 
@@ -68,6 +69,7 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
   std::vector<int32_t>& lead = share->lead;
   by_source.clear();
   lead.assign(per_rank, -1);
+  share->row_transfer.assign(per_rank, UINT32_MAX);
   for (int64_t row = 0; row < per_rank; ++row) {
     const int32_t src = slot_source[row];
     if (src == -1) continue;
@@ -103,6 +105,7 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
       const uint32_t src = static_cast<uint32_t>(by_source[i] >> 32);
       const int32_t dst_row = static_cast<int32_t>(static_cast<uint32_t>(by_source[i]));
       const int64_t pair = src - r * u_pairs;
+      share->row_transfer[dst_row] = static_cast<uint32_t>(share->scale.transfers.size());
       const BlockRef dst{o, dst_row};
       const BlockRef carried{o, j};  // scale's scratch starts at block 0 (no input)
       const double w = 1.0;
@@ -114,6 +117,7 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
       share->dots.Add(operands, 2, &value, 1);
     }
   }
+  share->pair_transfers = static_cast<uint32_t>(share->scale.transfers.size());
   // The runs of empty rows, zeroed.
   for (int64_t row = 0; row < per_rank;) {
     if (slot_source[row] >= 0) {

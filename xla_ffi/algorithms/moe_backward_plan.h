@@ -38,6 +38,12 @@ struct MoeBackwardShare {
   // Per ref of `scale`: the pair whose weight it takes (its source, as in
   // slot_source), or -1.
   std::vector<int32_t> weight_source;
+  // Per row of the owner: the index of its transfer in `scale` and in `dots`
+  // (the same: the pairs' transfers come first in both, in one order), for
+  // a filled row; the first `pair_transfers` of each are the pairs', the
+  // rest zero runs.
+  std::vector<uint32_t> row_transfer;
+  uint32_t pair_transfers = 0;
   // Bytes each rank reads + writes in `carry` (AddRankBytes): the carry's
   // lanes are chosen over the busiest rank's sum of every share's.
   std::vector<int64_t> carry_rank_bytes;

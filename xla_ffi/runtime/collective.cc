@@ -872,6 +872,50 @@ Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std
   return phase;
 }
 
+Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
+                       std::function<void(uint64_t task, const TransferRunner& runner)> order) {
+  struct Group {
+    std::vector<FusedPlan> plans;
+    View v;
+  };
+  auto shared = std::make_shared<std::vector<Group>>();
+  for (PlanGroup& g : groups) {
+    View v = g.plans.empty() ? View() : PlanView(*g.plans[0].plan, g.buffers, /*with_producer=*/true);
+    shared->push_back({std::move(g.plans), std::move(v)});
+  }
+  // Each thread runs from its own copies of the views, the producer set per
+  // plan (as PlanSetPhase's), made once per thread per phase.
+  static std::atomic<uint64_t> next_id{0};
+  const uint64_t id = ++next_id;
+  struct Runner final : TransferRunner {
+    const std::vector<Group>* groups;
+    std::vector<View>* views;
+    void Run(size_t g, size_t p, uint32_t transfer) const override {
+      const FusedPlan& f = (*groups)[g].plans[p];
+      View& v = (*views)[g];
+      v.producer = f.producer.get();
+      v.producer_first = f.first ? f.first->data() : nullptr;
+      RunColumns(*f.plan, transfer, 0, f.plan->Columns(f.plan->transfers[transfer]), v);
+    }
+  };
+  Phase phase;
+  phase.count = tasks;
+  phase.run = [shared, id, order = std::move(order)](uint64_t task) {
+    thread_local std::vector<View> mine;
+    thread_local uint64_t mine_id = 0;
+    if (mine_id != id) {
+      mine.clear();
+      for (const Group& g : *shared) mine.push_back(g.v);
+      mine_id = id;
+    }
+    Runner runner;
+    runner.groups = shared.get();
+    runner.views = &mine;
+    order(task, runner);
+  };
+  return phase;
+}
+
 void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool direct) {
   for (uint64_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) CreditPlanChunk(plan, c, devices, direct);
 }

@@ -167,6 +167,30 @@ struct FusedPlan {
 Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std::vector<int32_t> devices,
                    bool direct);
 
+// Plans over the same buffers (as PlanSetPhase's), for OrderedPlanPhase.
+struct PlanGroup {
+  std::vector<FusedPlan> plans;
+  PlanBuffers buffers;
+};
+// What OrderedPlanPhase's order calls: Run(g, p, t) runs transfer t of
+// group g's plan p, every column.
+class TransferRunner {
+ public:
+  virtual void Run(size_t group, size_t plan, uint32_t transfer) const = 0;
+
+ protected:
+  ~TransferRunner() = default;
+};
+// Runs whole transfers of plans in the caller's order, the host's rather
+// than the lanes': task i calls order(i, runner). MoE combine's backward
+// runs its owners' shares token by token across the owners, so a token's
+// carried row comes from memory once for all its products, as a token loop
+// reads it, where lane by lane each owner read it again. Nothing is
+// credited: the caller credits the plans as partitioned (CreditPlan), the
+// NPUs' split of the same transfers.
+Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
+                       std::function<void(uint64_t task, const TransferRunner& runner)> order);
+
 // Credits a partitioned plan's lanes and bytes as running it would, without
 // running it (a producer whose work its readers did, fused).
 void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool direct);

@@ -1205,8 +1205,9 @@ void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
   if (staged) return;
 
   // The runtime's strata path: each owner's share, built from its own fields
-  // alone, weights filled in, partitioned alone and run fused with its own
-  // carry (algorithms/moe.cc), in any order, gives the joined run's bits,
+  // alone, weights filled in and partitioned alone, run token by token across
+  // the owners, each fused with its own carry (algorithms/moe.cc), its tasks
+  // in any order, gives the joined run's bits,
   // and every NPU's lanes the joined plans' tasks (the carry's on the lanes
   // chosen over all shares).
   std::vector<MoeBackwardShare> shares(n);
@@ -1221,15 +1222,11 @@ void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
   }
   const bool on_sdma = MoeBackwardCarryOnSdma(p, views);
   CHECK(on_sdma == carry.on_sdma, name.str() << ": the shares' carry lanes differ from the joined carry's");
-  const std::shared_ptr<void> unowned;  // the shares outlive the phases
-  auto at_zero = std::make_shared<const std::vector<uint32_t>>(n, 0);
-  std::vector<FusedPlan> scale_set, dot_set;
+  std::vector<std::shared_ptr<const MoeBackwardShare>> owned;
   for (int o = 0; o < n; ++o) {
     shares[o].carry.on_sdma = on_sdma;
     Partition(shares[o].carry, on_sdma ? p.engines : p.cores, p.planner);
-    const std::shared_ptr<const Plan> produced(unowned, &shares[o].carry);
-    scale_set.push_back({std::shared_ptr<const Plan>(unowned, &shares[o].scale), produced, at_zero});
-    dot_set.push_back({std::shared_ptr<const Plan>(unowned, &shares[o].dots), produced, at_zero});
+    owned.push_back(std::shared_ptr<const MoeBackwardShare>(std::shared_ptr<void>(), &shares[o]));  // they outlive the phase
   }
   std::vector<std::vector<float>> d_ey_shares(n, std::vector<float>(per_rank * hidden, std::nanf(""))),
       d_w_shares(n, std::vector<float>(pairs, std::nanf("")));
@@ -1240,8 +1237,7 @@ void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
     share_dot.out.push_back(d_w_shares[r].data());
   }
   share_scale.producer_in = share_dot.producer_in = to_carry.in;
-  const Phase by_share = Together(PlanSetPhase(std::move(scale_set), share_scale, devices, true),
-                                  PlanSetPhase(std::move(dot_set), share_dot, devices, true));
+  const Phase by_share = MoeBackwardSharesPhase(p, owned, slot_ptrs, share_scale, share_dot);
   for (uint64_t i = by_share.count; i-- > 0;) by_share.run(i);
   int64_t differ = 0;
   for (int r = 0; r < n; ++r) {

@@ -893,58 +893,18 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
         Partition(share.carry, carry_on_sdma ? shape.engines : shape.cores, shape.planner);
         for (const Plan* plan : {&share.carry, &share.scale, &share.dots}) CreditPlan(*plan, devices, /*direct=*/true);
       };
-      // Then the host runs the shares' transfers token by token: each token
-      // rank's tokens in order, each token's pairs k ascending (its carried
-      // rows read where they come from, the token's ct_y, which stays in
-      // cache for all its products), then each owner's zero runs. Lane by
-      // lane, the owners' order, a token's row came from memory once per
-      // owner and the run took 1.2-1.3x a token loop's time.
-      auto at_zero = std::make_shared<const std::vector<uint32_t>>(n, 0);  // a share's carry starts at 0
-      enum { kScales = 0, kDots };
-      std::vector<PlanGroup> groups(2);
+      PlanBuffers to_scale, to_dot;
       std::vector<const int32_t*> pair_slots(n);
       for (int r = 0; r < n; ++r) {
-        const std::shared_ptr<const MoeBackwardShare> share = shares[r];
-        const std::shared_ptr<const Plan> carry(share, &share->carry);
-        groups[kScales].plans.push_back({std::shared_ptr<const Plan>(share, &share->scale), carry, at_zero});
-        groups[kDots].plans.push_back({std::shared_ptr<const Plan>(share, &share->dots), carry, at_zero});
-        groups[kScales].buffers.out.push_back(s.ptrs[r][kDEy]);
-        groups[kDots].buffers.in.push_back(s.ptrs[r][kEy]);
-        groups[kDots].buffers.out.push_back(s.ptrs[r][kDW]);
-        groups[kScales].buffers.producer_in.push_back(s.ptrs[r][kCt]);
+        to_scale.out.push_back(s.ptrs[r][kDEy]);
+        to_dot.in.push_back(s.ptrs[r][kEy]);
+        to_dot.out.push_back(s.ptrs[r][kDW]);
+        to_scale.producer_in.push_back(s.ptrs[r][kCt]);
         pair_slots[r] = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
       }
-      groups[kDots].buffers.producer_in = groups[kScales].buffers.producer_in;
-      // About a host chunk of work per task (a token's pairs read and write
-      // ~4 rows each).
-      const int64_t tokens_per_task =
-          std::max<int64_t>(1, kHostChunkBytes / std::max<int64_t>(1, 4 * shape.row_bytes() * shape.topk));
-      const int64_t token_tasks_per_rank = (shape.tokens + tokens_per_task - 1) / tokens_per_task;
-      const uint64_t token_tasks = static_cast<uint64_t>(n * token_tasks_per_rank);
-      auto order = [shape = shape, shares, pair_slots, tokens_per_task, token_tasks_per_rank, token_tasks](
-                       uint64_t task, const TransferRunner& run) {
-        if (task >= token_tasks) {  // an owner's zero runs
-          const int o = static_cast<int>(task - token_tasks);
-          const MoeBackwardShare& share = *shares[o];
-          for (uint32_t i = share.pair_transfers; i < share.scale.transfers.size(); ++i) run.Run(kScales, o, i);
-          for (uint32_t i = share.pair_transfers; i < share.dots.transfers.size(); ++i) run.Run(kDots, o, i);
-          return;
-        }
-        const int r = static_cast<int>(task / token_tasks_per_rank);
-        const int64_t first = static_cast<int64_t>(task % token_tasks_per_rank) * tokens_per_task;
-        const int64_t end = std::min(shape.tokens, first + tokens_per_task) * shape.topk;
-        const int64_t per_rank = shape.local_experts() * shape.capacity;
-        for (int64_t pair = first * shape.topk; pair < end; ++pair) {
-          const int32_t slot = pair_slots[r][pair];
-          if (slot < 0) continue;
-          const int o = static_cast<int>(slot / per_rank);
-          const uint32_t i = shares[o]->row_transfer[slot - o * per_rank];
-          run.Run(kScales, o, i);
-          run.Run(kDots, o, i);
-        }
-      };
+      to_dot.producer_in = to_scale.producer_in;
       phases.push_back(std::move(prepare));
-      phases.push_back(OrderedPlanPhase(std::move(groups), token_tasks + n, std::move(order)));
+      phases.push_back(MoeBackwardSharesPhase(shape, {shares.begin(), shares.end()}, std::move(pair_slots), to_scale, to_dot));
       Schedule(std::move(phases), *ranks[0], n, job);
       return Status::Ok();
     }

@@ -46,7 +46,7 @@ int64_t MoeBackwardShare::CapacityBytes() const {
              plan->tasks.capacity() * sizeof(LaneTask) + plan->moves.capacity() * sizeof(Move);
   return bytes + weight_source.capacity() * sizeof(int32_t) + carry_rank_bytes.capacity() * sizeof(int64_t) +
          row_transfer.capacity() * sizeof(uint32_t) +
-         by_source.capacity() * sizeof(uint64_t) + lead.capacity() * sizeof(int32_t);
+         by_source.capacity() * sizeof(uint64_t);
 }
 
 Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slot, const int32_t* slot_source,
@@ -61,14 +61,10 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
     return Status::Error(std::string(kName) + ": more than 2^31 slots or pairs in a group is not supported");
   auto fail = [&](const std::string& why) { return Status::Error(std::string(kName) + ": " + why); };
 
-  // The filled rows by source: a token's rows on this owner (sources
-  // r * pairs + t * topk + k) are then together, k ascending; the first of
-  // them leads the token here (its carried row's scratch block is numbered
-  // in the order of the leads' rows).
+  // The filled rows by source (r * pairs + t * topk + k): token by token,
+  // ranks then tokens ascending, a token's rows here together, k ascending.
   std::vector<uint64_t>& by_source = share->by_source;
-  std::vector<int32_t>& lead = share->lead;
   by_source.clear();
-  lead.assign(per_rank, -1);
   share->row_transfer.assign(per_rank, UINT32_MAX);
   for (int64_t row = 0; row < per_rank; ++row) {
     const int32_t src = slot_source[row];
@@ -81,41 +77,39 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
     by_source.push_back(static_cast<uint64_t>(src) << 32 | static_cast<uint64_t>(row));
   }
   std::sort(by_source.begin(), by_source.end());
+
+  // In that order (the host runs every owner's share token by token at once,
+  // MoeBackwardSharesPhase, so each share's transfers are read in order; and
+  // a carried row's readers follow one another, so on the NPU it is read from
+  // cache): per token, its carried row, then w x it into each of the token's
+  // rows here and each pair's dot.
   // 32-bit divides (sources < 2^31): a 64-bit one per row was a third of the build.
   const uint32_t u_topk = static_cast<uint32_t>(k_top), u_pairs = static_cast<uint32_t>(pairs);
-  auto token_of = [&](uint64_t entry) { return static_cast<uint32_t>(entry >> 32) / u_topk; };
-  for (size_t i = 0; i < by_source.size(); ++i)
-    if (i == 0 || token_of(by_source[i]) != token_of(by_source[i - 1]))
-      lead[static_cast<uint32_t>(by_source[i])] = static_cast<int32_t>(i);
-
-  // Token by token, in the order of their leads' rows (a carried row at a
-  // time, so its readers follow one another and it is read from cache: in
-  // row order each token's row came back from memory once per pair, scale
-  // and dots alike): the carried row, then w x it into each of the token's
-  // rows here, k ascending, and each pair's dot.
-  for (int64_t row = 0; row < per_rank; ++row) {
-    if (lead[row] < 0) continue;
-    const uint32_t first = static_cast<uint32_t>(lead[row]);
-    const uint32_t token = token_of(by_source[first]);  // r * tokens + t
-    const uint32_t r = token / static_cast<uint32_t>(p.tokens), t = token - r * static_cast<uint32_t>(p.tokens);
-    const int32_t j = static_cast<int32_t>(share->carry.transfers.size());
-    const BlockRef from{static_cast<int32_t>(r), static_cast<int32_t>(t)}, to{o, j};
-    share->carry.Add(&from, 1, &to, 1);
-    for (size_t i = first; i < by_source.size() && token_of(by_source[i]) == token; ++i) {
-      const uint32_t src = static_cast<uint32_t>(by_source[i] >> 32);
-      const int32_t dst_row = static_cast<int32_t>(static_cast<uint32_t>(by_source[i]));
-      const int64_t pair = src - r * u_pairs;
-      share->row_transfer[dst_row] = static_cast<uint32_t>(share->scale.transfers.size());
-      const BlockRef dst{o, dst_row};
-      const BlockRef carried{o, j};  // scale's scratch starts at block 0 (no input)
-      const double w = 1.0;
-      share->weight_source.resize(share->scale.refs.size() + 2, -1);
-      share->weight_source[share->scale.refs.size()] = static_cast<int32_t>(src);
-      share->scale.AddWeighted(&carried, &w, 1, &dst, 1);
-      const BlockRef operands[2] = {{o, static_cast<int32_t>(per_rank + j)}, dst};
-      const BlockRef value{static_cast<int32_t>(r), static_cast<int32_t>(pair)};
-      share->dots.Add(operands, 2, &value, 1);
+  const uint32_t u_tokens = static_cast<uint32_t>(p.tokens);
+  uint32_t last_token = UINT32_MAX;
+  int32_t j = -1;
+  for (const uint64_t entry : by_source) {
+    const uint32_t src = static_cast<uint32_t>(entry >> 32);
+    const int32_t dst_row = static_cast<int32_t>(static_cast<uint32_t>(entry));
+    const uint32_t token = src / u_topk;  // r * tokens + t
+    const uint32_t r = token / u_tokens;
+    if (token != last_token) {
+      j = static_cast<int32_t>(share->carry.transfers.size());
+      const BlockRef from{static_cast<int32_t>(r), static_cast<int32_t>(token - r * u_tokens)}, to{o, j};
+      share->carry.Add(&from, 1, &to, 1);
+      last_token = token;
     }
+    const int64_t pair = src - r * u_pairs;
+    share->row_transfer[dst_row] = static_cast<uint32_t>(share->scale.transfers.size());
+    const BlockRef dst{o, dst_row};
+    const BlockRef carried{o, j};  // scale's scratch starts at block 0 (no input)
+    const double w = 1.0;
+    share->weight_source.resize(share->scale.refs.size() + 2, -1);
+    share->weight_source[share->scale.refs.size()] = static_cast<int32_t>(src);
+    share->scale.AddWeighted(&carried, &w, 1, &dst, 1);
+    const BlockRef operands[2] = {{o, static_cast<int32_t>(per_rank + j)}, dst};
+    const BlockRef value{static_cast<int32_t>(r), static_cast<int32_t>(pair)};
+    share->dots.Add(operands, 2, &value, 1);
   }
   share->pair_transfers = static_cast<uint32_t>(share->scale.transfers.size());
   // The runs of empty rows, zeroed.
@@ -173,6 +167,62 @@ bool MoeBackwardCarryOnSdma(const MoeOpShape& p, const std::vector<const MoeBack
     for (int r = 0; r < p.group_size; ++r) rank_bytes[r] += share->carry_rank_bytes[r];
   const int64_t busiest = rank_bytes.empty() ? 0 : *std::max_element(rank_bytes.begin(), rank_bytes.end());
   return MovesOnSdma(busiest, p.engines, descriptor_us, sdma_gbps);
+}
+
+Phase MoeBackwardSharesPhase(const MoeOpShape& p, std::vector<std::shared_ptr<const MoeBackwardShare>> shares,
+                             std::vector<const int32_t*> pair_slot, const PlanBuffers& scale_buffers,
+                             const PlanBuffers& dot_buffers) {
+  const int n = p.group_size;
+  auto at_zero = std::make_shared<const std::vector<uint32_t>>(n, 0);  // a share's carry starts at 0
+  enum { kScales = 0, kDots };
+  std::vector<PlanGroup> groups(2);
+  groups[kScales].buffers = scale_buffers;
+  groups[kDots].buffers = dot_buffers;
+  for (const std::shared_ptr<const MoeBackwardShare>& share : shares) {
+    const std::shared_ptr<const Plan> carry(share, &share->carry);
+    groups[kScales].plans.push_back({std::shared_ptr<const Plan>(share, &share->scale), carry, at_zero});
+    groups[kDots].plans.push_back({std::shared_ptr<const Plan>(share, &share->dots), carry, at_zero});
+  }
+  // A token's pairs read and write ~4 rows each.
+  const int64_t tokens_per_task = std::max<int64_t>(1, kHostChunkBytes / std::max<int64_t>(1, 4 * p.row_bytes() * p.topk));
+  const int64_t tasks_per_rank = (p.tokens + tokens_per_task - 1) / tokens_per_task;
+  const uint64_t token_tasks = static_cast<uint64_t>(n * tasks_per_rank);
+  auto order = [p, shares = std::move(shares), pair_slot = std::move(pair_slot), tokens_per_task, tasks_per_rank,
+                token_tasks](uint64_t task, const TransferRunner& run) {
+    if (task >= token_tasks) {  // an owner's zero runs
+      const int o = static_cast<int>(task - token_tasks);
+      const MoeBackwardShare& share = *shares[o];
+      for (uint32_t i = share.pair_transfers; i < share.scale.transfers.size(); ++i) run.Run(kScales, o, i);
+      for (uint32_t i = share.pair_transfers; i < share.dots.transfers.size(); ++i) run.Run(kDots, o, i);
+      return;
+    }
+    const int r = static_cast<int>(task / tasks_per_rank);
+    const int64_t first = static_cast<int64_t>(task % tasks_per_rank) * tokens_per_task;
+    const int64_t end = std::min(p.tokens, first + tokens_per_task) * p.topk;
+    const int64_t per_rank = p.local_experts() * p.capacity;
+    const int32_t* slots = pair_slot[r];
+    // What the transfers read of the plans, a few pairs ahead (the pairs
+    // jump between the owners' shares): a link of the chain per stage, the
+    // first sixteen pairs ahead, the last four.
+    auto ask = [&](int64_t pair, int stage) {
+      const int32_t slot = pair < end ? slots[pair] : -1;
+      if (slot < 0) return;
+      const int o = static_cast<int>(slot / per_rank);
+      const uint32_t i = shares[o]->row_transfer[slot - o * per_rank];
+      run.Prefetch(kScales, o, i, stage);
+      if (stage < 2) run.Prefetch(kDots, o, i, stage);  // the dots' producer records are the scale's
+    };
+    for (int64_t pair = first * p.topk; pair < end; ++pair) {
+      for (int stage = 0; stage < 4; ++stage) ask(pair + 16 - 4 * stage, stage);
+      const int32_t slot = slots[pair];
+      if (slot < 0) continue;
+      const int o = static_cast<int>(slot / per_rank);
+      const uint32_t i = shares[o]->row_transfer[slot - o * per_rank];
+      run.Run(kScales, o, i);
+      run.Run(kDots, o, i);
+    }
+  };
+  return OrderedPlanPhase(std::move(groups), token_tasks + n, std::move(order));
 }
 
 MoeBackwardJoin::MoeBackwardJoin(const MoeOpShape& p, std::vector<const MoeBackwardShare*> shares,

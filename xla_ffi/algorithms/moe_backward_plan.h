@@ -3,7 +3,7 @@
 // many of the token's pairs are there; only one value per pair comes back):
 //   carry, a copy: per (token, owner rank) with kept pairs, the token's ct_y
 //     row into a block of the owner's scratch (an owner's blocks in the
-//     order of the rows whose pair leads the token there: the lowest k);
+//     order of their tokens: ranks, then tokens ascending);
 //   scale, on the owners (weighted, local): each of the owner's d_expert_y
 //     rows, w x the carried row for a filled slot (token by token, in the
 //     carry's order, so a carried row's readers follow one another), zero
@@ -16,9 +16,11 @@
 // the model times them.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "../runtime/collective.h"
 #include "../runtime/moe_shape.h"
 #include "../runtime/plan.h"
 #include "../runtime/status.h"
@@ -49,7 +51,6 @@ struct MoeBackwardShare {
   std::vector<int64_t> carry_rank_bytes;
   // The build's scratch, kept with the share so a pooled share reuses it.
   std::vector<uint64_t> by_source;  // (source << 32 | row) of the filled rows, sorted
-  std::vector<int32_t> lead;        // per row: its token's first entry in by_source if it leads, else -1
   int64_t CapacityBytes() const;
 };
 
@@ -68,6 +69,20 @@ void FillMoeBackwardWeights(const MoeOpShape& p, const std::vector<const void*>&
 // The carry's lanes as PlanMovesOnSdma would choose them for the joined carry.
 bool MoeBackwardCarryOnSdma(const MoeOpShape& p, const std::vector<const MoeBackwardShare*>& shares,
                             double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
+
+// The owners' shares run on the host as strata mode runs them: token by
+// token across the owners (each token rank's tokens in order, a token's
+// pairs k ascending: a token's carried row, read where it comes from, its
+// ct_y, stays in cache for all its products; owner by owner, lane by lane,
+// it came from memory once per owner), then each owner's zero runs; about a
+// host chunk of work per task (OrderedPlanPhase). pair_slot[r]: rank r's
+// slots, which must agree with the shares' sources (checked before). The
+// buffers: the scale's out (d_expert_y) and producer_in (ct_y); the dots'
+// in (expert rows), out (d_weights) and producer_in. Credits nothing: the
+// caller credits the shares as partitioned (CreditPlan).
+Phase MoeBackwardSharesPhase(const MoeOpShape& p, std::vector<std::shared_ptr<const MoeBackwardShare>> shares,
+                             std::vector<const int32_t*> pair_slot, const PlanBuffers& scale_buffers,
+                             const PlanBuffers& dot_buffers);
 
 struct MoeBackwardPlans {
   Plan carry;  // input: each rank's ct_y rows; output: its scratch

@@ -897,6 +897,26 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
       v.producer_first = f.first ? f.first->data() : nullptr;
       RunColumns(*f.plan, transfer, 0, f.plan->Columns(f.plan->transfers[transfer]), v);
     }
+    void Prefetch(size_t g, size_t p, uint32_t transfer, int stage) const override {
+      const FusedPlan& f = (*groups)[g].plans[p];
+      const Plan& plan = *f.plan;
+      const Transfer* t = plan.transfers.data() + transfer;
+      if (stage == 0) return __builtin_prefetch(t, 0, 3);
+      if (stage == 1) {
+        __builtin_prefetch(plan.refs.data() + t->src_begin, 0, 3);
+        __builtin_prefetch(plan.refs.data() + t->dst_begin, 0, 3);
+        if (plan.weighted) __builtin_prefetch(plan.weights.data() + t->src_begin, 0, 3);
+        return;
+      }
+      if (!f.producer || !f.first) return;
+      for (uint32_t k = 0; k < t->src_count; ++k) {
+        const BlockRef& b = plan.refs[t->src_begin + k];
+        if (b.block < plan.in_blocks) continue;
+        const Transfer* pt = f.producer->transfers.data() + (*f.first)[b.rank] + (b.block - plan.in_blocks);
+        if (stage == 2) __builtin_prefetch(pt, 0, 3);
+        else __builtin_prefetch(f.producer->refs.data() + pt->src_begin, 0, 3);
+      }
+    }
   };
   Phase phase;
   phase.count = tasks;

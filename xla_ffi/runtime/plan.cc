@@ -200,14 +200,20 @@ PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t ali
   // Only NPUs with shares get room: a plan of one rank's work (a share of MoE
   // combine's, built by each of 384 ranks) would otherwise size and clear
   // 384 x lanes tasks.
+  // The steps after this one visit only those NPUs (busy_): at 384 ranks a
+  // share's three partitions per op each walked every NPU four times more.
   busy_before_.assign(n + 1, 0);
-  for (int npu = 0; npu < n; ++npu)
-    busy_before_[npu + 1] = busy_before_[npu] + (npu_start_[npu + 1] > npu_start_[npu] ? 1 : 0);
+  busy_.clear();
+  for (int npu = 0; npu < n; ++npu) {
+    const bool busy = npu_start_[npu + 1] > npu_start_[npu];
+    busy_before_[npu + 1] = busy_before_[npu] + (busy ? 1 : 0);
+    if (busy) busy_.push_back(npu);
+  }
   p.pieces.resize(npu_start_[n] + busy_before_[n] * lanes_);
   p.tasks.resize(busy_before_[n] * lanes_);
   {
     std::vector<size_t> next(n);
-    for (int npu = 0; npu < n; ++npu) next[npu] = RoomStart(npu) + lanes_;
+    for (const int32_t npu : busy_) next[npu] = RoomStart(npu) + lanes_;
     shares_of([&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) { p.pieces[next[npu]++] = {ti, npu, c0, c1}; });
   }
   piece_count_.assign(n, 0);
@@ -325,11 +331,10 @@ void PlanPartition::Balance(int npu, const Piece* mine, size_t count, Piece* pie
 
 void PlanPartition::Finish() {
   Plan& plan = *plan_;
-  const int n = plan.num_ranks;
   // 2'. Every NPU's pieces and tasks, in NPU order, without the gaps.
   plan.lanes_per_npu = lanes_;
   size_t pieces = 0, tasks = 0;
-  for (int npu = 0; npu < n; ++npu) {
+  for (const int32_t npu : busy_) {  // NPU order; the others have nothing
     const size_t room = RoomStart(npu);
     if (pieces != room && piece_count_[npu] > 0)
       std::memmove(plan.pieces.data() + pieces, plan.pieces.data() + room, piece_count_[npu] * sizeof(Piece));
@@ -430,7 +435,7 @@ void PlanPartition::Finish() {
 void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
                int64_t host_chunk_bytes) {
   PlanPartition steps(&plan, lanes, planner, align, min_lane_bytes, host_chunk_bytes);
-  for (int npu = 0; npu < plan.num_ranks; ++npu) steps.Npu(npu);
+  for (const int32_t npu : steps.Busy()) steps.Npu(npu);
   steps.Finish();
 }
 

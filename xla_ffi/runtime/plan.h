@@ -218,6 +218,8 @@ class PlanPartition {
   PlanPartition(Plan* plan, int lanes, Planner planner, int64_t align = 64, int64_t min_lane_bytes = 1,
                 int64_t host_chunk_bytes = kHostChunkBytes);
   void Npu(int npu);
+  // The NPUs with shares, ascending (Npu of any other does nothing).
+  const std::vector<int32_t>& Busy() const { return busy_; }
   void Finish();
   // Bytes read + written per row by all the plan's lanes (its tasks' sum).
   int64_t bytes() const { return bytes_; }
@@ -233,6 +235,7 @@ class PlanPartition {
   int64_t align_ = 1, min_lane_bytes_, host_chunk_bytes_, bytes_ = 0;
   std::vector<size_t> npu_start_;  // each NPU's shares: [npu_start_[npu], npu_start_[npu + 1])
   std::vector<size_t> busy_before_;  // NPUs with shares before each NPU
+  std::vector<int32_t> busy_;        // the NPUs with shares, ascending
   std::vector<size_t> piece_count_, task_count_;  // per NPU, as split
 };
 

@@ -626,17 +626,23 @@ std::shared_ptr<T> AcquirePooled(size_t kept = 2, int64_t (*bytes)(const T&) = n
   });
 }
 
-std::shared_ptr<MoeCombineShare> AcquireShare() {
-  return AcquirePooled<MoeCombineShare>(
-      SIZE_MAX, [](const MoeCombineShare& share) { return share.CapacityBytes(); }, int64_t{64} << 20);
+// A rank's share of an op's plans (combine's: its tokens' sums and the
+// partials they make; the backward's: its rows as an owner), pooled by bytes.
+template <typename Share>
+std::shared_ptr<Share> AcquireShare() {
+  return AcquirePooled<Share>(
+      SIZE_MAX, [](const Share& share) { return share.CapacityBytes(); }, int64_t{64} << 20);
 }
 
-struct CombineRank : RankState {
+// A rank that built its share of the op's plans from its own fields before
+// it joined (algorithms/moe_combine_plan.h, moe_backward_plan.h).
+template <typename Share>
+struct ShareRank : RankState {
   using RankState::RankState;
-  // This rank's share of the op's plans, built from its own routing before it
-  // joined (algorithms/moe_combine_plan.h).
-  std::shared_ptr<MoeCombineShare> share;
+  std::shared_ptr<Share> share;
 };
+using CombineRank = ShareRank<MoeCombineShare>;
+using BackwardRank = ShareRank<MoeBackwardShare>;
 
 using Shares = std::vector<std::shared_ptr<const MoeCombineShare>>;
 std::vector<const MoeCombineShare*> Views(const Shares& shares) {
@@ -677,7 +683,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
   // rendezvous, the plans were an eighth of a combine's time there).
   const bool direct = me->rows.direct();
   if (me->bad.empty()) {
-    me->share = AcquireShare();
+    me->share = AcquireShare<MoeCombineShare>();
     const Status built = BuildMoeCombineShare(p, /*stage_all=*/!direct, c.rank, pair_slot, weights, me->share.get());
     if (!built.ok) me->bad = Where(kCombineName, p, c) + built.message;
     else if (direct) Partition(me->share->sums, p.cores, p.planner);  // its lanes: this rank's NPU's
@@ -759,18 +765,6 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
 }
 
 namespace {
-std::shared_ptr<MoeBackwardShare> AcquireBackwardShare() {
-  return AcquirePooled<MoeBackwardShare>(
-      SIZE_MAX, [](const MoeBackwardShare& share) { return share.CapacityBytes(); }, int64_t{64} << 20);
-}
-
-struct BackwardRank : RankState {
-  using RankState::RankState;
-  // This rank's share of the op's plans as an owner, built from its own
-  // dispatch fields before it joined (algorithms/moe_backward_plan.h).
-  std::shared_ptr<MoeBackwardShare> share;
-};
-
 // Every kept pair's slot names it as its source, and every filled slot's
 // source pair points back at it. Pointers as published by the backward op.
 std::string CrossCheckLayout(const Slot& s, int n, int64_t pairs, int64_t slots_per_rank) {
@@ -841,7 +835,7 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   // too, as the joined plans would be.
   const bool direct = me->rows.direct();
   if (me->bad.empty()) {
-    me->share = AcquireBackwardShare();
+    me->share = AcquireShare<MoeBackwardShare>();
     const Status built = BuildMoeBackwardShare(p, c.rank, pair_slot, slot_source, me->share.get());
     if (!built.ok) {
       me->bad = Where(kCombineBwdName, p, c) + built.message;

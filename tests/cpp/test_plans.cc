@@ -42,6 +42,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -177,6 +178,30 @@ bool SameList(const std::vector<T>& a, const std::vector<T>& b, Eq eq) {
   return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), eq);
 }
 
+// PartitionCredit of a plan gives what Partition's tasks and chunks credit:
+// the same lanes with the same bytes, in the same order, and the same bytes
+// by kind (the runtime credits plans it runs in its own order this way).
+void CheckCredit(const Plan& partitioned, int lanes, Planner planner, int64_t align = 64) {
+  LaneCredit credit;
+  PartitionCredit(partitioned, lanes, planner, &credit, align);
+  std::vector<std::tuple<int32_t, int32_t, int64_t>> want, got;
+  for (const LaneTask& t : partitioned.tasks) want.emplace_back(t.npu, t.lane, t.bytes);
+  for (const LaneTask& t : credit.tasks) got.emplace_back(t.npu, t.lane, t.bytes);
+  ChunkBytes sum;
+  for (const ChunkBytes& b : partitioned.chunk_bytes) {
+    sum.carried += b.carried;
+    sum.local += b.local;
+    sum.written += b.written;
+  }
+  CHECK(got == want, "PartitionCredit's lanes differ from Partition's: " << got.size() << " tasks vs " << want.size());
+  CHECK(credit.bytes.carried == sum.carried && credit.bytes.local == sum.local && credit.bytes.written == sum.written,
+        "PartitionCredit's bytes by kind differ from Partition's chunks: carried " << credit.bytes.carried << " vs "
+                                                                              << sum.carried << ", local "
+                                                                              << credit.bytes.local << " vs " << sum.local);
+  CHECK(credit.lanes_per_npu == partitioned.lanes_per_npu && credit.on_sdma == partitioned.on_sdma,
+        "PartitionCredit's lanes per NPU or engines differ from Partition's");
+}
+
 void CheckSplitByNpu(const Plan& partitioned, int lanes, Planner planner) {
   Plan split = partitioned;
   PlanPartition steps(&split, lanes, planner);
@@ -201,6 +226,7 @@ void CheckSplitByNpu(const Plan& partitioned, int lanes, Planner planner) {
                                                               << split.tasks.size() << " tasks vs "
                                                               << partitioned.pieces.size() << ", "
                                                               << partitioned.tasks.size());
+  CheckCredit(partitioned, lanes, planner);
 }
 
 void CheckPlan(const Case& c) {
@@ -208,6 +234,7 @@ void CheckPlan(const Case& c) {
   const OpParams p = ParamsOf(c);
   const Plan plan = BuildPartitionedPlan(p);
   if (c.lanes == 3) CheckSplitByNpu(plan, c.lanes, c.planner);
+  else CheckCredit(plan, c.lanes, c.planner);
   const int n = c.n;
   const int64_t B = c.block_bytes, esize = static_cast<int64_t>(DTypeSize(c.dtype));
   const int64_t in_blocks = c.def->InBlocks(n), out_blocks = c.def->OutBlocks(n);
@@ -968,6 +995,7 @@ void CheckMoeCombinePlan(std::mt19937_64& rng, int n, int experts, int64_t token
   auto partitioned_sums = std::make_shared<Plan>(sums);
   Partition(*partitioned_partials, lanes, Planner::kBalanced);
   Partition(*partitioned_sums, lanes, Planner::kBalanced);
+  CheckCredit(*partitioned_partials, lanes, Planner::kBalanced);  // strata mode credits the partials so
   std::vector<std::vector<float>> scratch(n, std::vector<float>(per_rank * hidden, std::nanf(""))),
       y(n, std::vector<float>(tokens * hidden, std::nanf("")));
   PlanBuffers stage, sum;
@@ -1216,8 +1244,8 @@ void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
     const Status built = BuildMoeBackwardShare(p, o, slot_ptrs[o], source_ptrs[o], &shares[o]);
     CHECK(built.ok, name.str() << ": share " << o << " refused: " << built.message);
     FillMoeBackwardWeights(p, w_ptrs, &shares[o]);
-    Partition(shares[o].scale, p.cores, p.planner);
-    Partition(shares[o].dots, p.cores, p.planner, shares[o].dots.block_bytes);
+    PartitionCredit(shares[o].scale, p.cores, p.planner, &shares[o].scale_credit);
+    PartitionCredit(shares[o].dots, p.cores, p.planner, &shares[o].dots_credit, shares[o].dots.block_bytes);
     views.push_back(&shares[o]);
   }
   const bool on_sdma = MoeBackwardCarryOnSdma(p, views);
@@ -1225,7 +1253,7 @@ void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
   std::vector<std::shared_ptr<const MoeBackwardShare>> owned;
   for (int o = 0; o < n; ++o) {
     shares[o].carry.on_sdma = on_sdma;
-    Partition(shares[o].carry, on_sdma ? p.engines : p.cores, p.planner);
+    PartitionCredit(shares[o].carry, on_sdma ? p.engines : p.cores, p.planner, &shares[o].carry_credit);
     owned.push_back(std::shared_ptr<const MoeBackwardShare>(std::shared_ptr<void>(), &shares[o]));  // they outlive the phase
   }
   std::vector<std::vector<float>> d_ey_shares(n, std::vector<float>(per_rank * hidden, std::nanf(""))),
@@ -1248,10 +1276,14 @@ void CheckMoeBackwardPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
   for (int o = 0; o < n; ++o)
     for (int which = 0; which < 3; ++which) {
       const Plan& whole = which == 0 ? carry : which == 1 ? scale : dots;
-      const Plan& part = which == 0 ? shares[o].carry : which == 1 ? shares[o].scale : shares[o].dots;
+      const LaneCredit& part = which == 0   ? shares[o].carry_credit
+                               : which == 1 ? shares[o].scale_credit
+                                            : shares[o].dots_credit;
       std::vector<std::pair<int32_t, int64_t>> joined, alone;
       for (const LaneTask& t : whole.tasks)
         if (t.npu == o) joined.push_back({t.lane, t.bytes});
+      CHECK(part.on_sdma == whole.on_sdma && part.lanes_per_npu == whole.lanes_per_npu,
+            name.str() << ": owner " << o << "'s plan " << which << " credits other lanes than the joined plan's");
       for (const LaneTask& t : part.tasks) {
         CHECK(t.npu == o, name.str() << ": owner " << o << "'s share has work on NPU " << t.npu);
         alone.push_back({t.lane, t.bytes});

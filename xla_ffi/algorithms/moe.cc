@@ -725,8 +725,8 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
       credit.count = 1;
       credit.run = [shape = shape, shares, plans, devices = s.devices](uint64_t) {
         JoinMoeCombineShares(shape, Views(shares), plans.get(), /*join_partials=*/true, /*join_sums=*/false);
-        Partition(plans->partials, shape.cores, shape.planner);
-        CreditPlan(plans->partials, devices, /*direct=*/true);
+        PartitionCredit(plans->partials, shape.cores, shape.planner, &plans->partials_credit);
+        CreditLanes(plans->partials_credit, devices, /*direct=*/true);
       };
       phases.push_back(Concat(std::move(credit), PlanSetPhase(std::move(set), buffers, s.devices, true)));
       Schedule(std::move(phases), *ranks[0], n, job);
@@ -831,8 +831,8 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   // dispatch fields alone: built here, before the rank joins, while its
   // peers are on their way (built at the rendezvous, by owner, laid out,
   // joined and partitioned, the plans were ~2 ms of a ~12 ms backward). It
-  // runs on this rank's NPU alone, so in strata mode it is partitioned here
-  // too, as the joined plans would be.
+  // runs on this rank's NPU alone, so in strata mode its lanes' credit is
+  // made here too, as the joined plans' partition on this NPU would give it.
   const bool direct = me->rows.direct();
   if (me->bad.empty()) {
     me->share = AcquireShare<MoeBackwardShare>();
@@ -840,8 +840,9 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
     if (!built.ok) {
       me->bad = Where(kCombineBwdName, p, c) + built.message;
     } else if (direct) {
-      Partition(me->share->scale, p.cores, p.planner);
-      Partition(me->share->dots, p.cores, p.planner, /*align=*/me->share->dots.block_bytes);
+      MoeBackwardShare& share = *me->share;
+      PartitionCredit(share.scale, p.cores, p.planner, &share.scale_credit);
+      PartitionCredit(share.dots, p.cores, p.planner, &share.dots_credit, /*align=*/share.dots.block_bytes);
     }
   }
 
@@ -876,16 +877,17 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
     if (direct) {
       const bool carry_on_sdma = MoeBackwardCarryOnSdma(shape, views);
       // The owners' shares as they are: each fills in its weights, and is
-      // credited as its NPU runs it (the carry partitioned on the lanes
-      // chosen for all; the scale and dots as its handler partitioned them).
+      // credited as its NPU runs it (the carry split on the lanes chosen for
+      // all; the scale and dots as its handler split them).
       Phase prepare;
       prepare.count = n;
       prepare.run = [shape = shape, shares, weights, carry_on_sdma, devices = s.devices](uint64_t o) {
         MoeBackwardShare& share = *shares[o];
         FillMoeBackwardWeights(shape, weights, &share);
         share.carry.on_sdma = carry_on_sdma;
-        Partition(share.carry, carry_on_sdma ? shape.engines : shape.cores, shape.planner);
-        for (const Plan* plan : {&share.carry, &share.scale, &share.dots}) CreditPlan(*plan, devices, /*direct=*/true);
+        PartitionCredit(share.carry, carry_on_sdma ? shape.engines : shape.cores, shape.planner, &share.carry_credit);
+        for (const LaneCredit* credit : {&share.carry_credit, &share.scale_credit, &share.dots_credit})
+          CreditLanes(*credit, devices, /*direct=*/true);
       };
       PlanBuffers to_scale, to_dot;
       std::vector<const int32_t*> pair_slots(n);

@@ -44,6 +44,8 @@ int64_t MoeBackwardShare::CapacityBytes() const {
     bytes += plan->refs.capacity() * sizeof(BlockRef) + plan->transfers.capacity() * sizeof(Transfer) +
              plan->weights.capacity() * sizeof(double) + plan->pieces.capacity() * sizeof(Piece) +
              plan->tasks.capacity() * sizeof(LaneTask) + plan->moves.capacity() * sizeof(Move);
+  for (const LaneCredit* credit : {&carry_credit, &scale_credit, &dots_credit})
+    bytes += credit->tasks.capacity() * sizeof(LaneTask);
   return bytes + weight_source.capacity() * sizeof(int32_t) + carry_rank_bytes.capacity() * sizeof(int64_t) +
          row_transfer.capacity() * sizeof(uint32_t) +
          by_source.capacity() * sizeof(uint64_t);
@@ -78,41 +80,89 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
   }
   std::sort(by_source.begin(), by_source.end());
 
+  // The runs of empty rows and of rank o's dropped pairs (checked in range),
+  // counted first: every list below is sized once and written in place
+  // (Plan::Add a transfer at a time, its push_backs' checks and the weights'
+  // fill loop, was a quarter of the build).
+  int64_t empty_runs = 0, dropped_runs = 0;
+  for (int64_t row = 0; row < per_rank; ++row)
+    empty_runs += slot_source[row] < 0 && (row == 0 || slot_source[row - 1] >= 0);
+  for (int64_t i = 0; i < pairs; ++i) {
+    if (pair_slot[i] < -1 || pair_slot[i] >= slots) {
+      std::ostringstream os;
+      os << "rank " << o << "'s pair_slot[" << i << "] = " << pair_slot[i] << " is outside [-1, " << slots << ")";
+      return fail(os.str());
+    }
+    dropped_runs += pair_slot[i] == -1 && (i == 0 || pair_slot[i - 1] != -1);
+  }
+  // 32-bit divides (sources < 2^31): a 64-bit one per row was a third of the build.
+  const uint32_t u_topk = static_cast<uint32_t>(k_top), u_pairs = static_cast<uint32_t>(pairs);
+  const uint32_t u_tokens = static_cast<uint32_t>(p.tokens);
+  size_t carried = 0;
+  for (size_t i = 0; i < by_source.size(); ++i)
+    carried += i == 0 || (by_source[i] >> 32) / u_topk != (by_source[i - 1] >> 32) / u_topk;
+  const size_t filled = by_source.size();
+  Plan& carry = share->carry;
+  Plan& scale = share->scale;
+  Plan& dots = share->dots;
+  carry.transfers.resize(carried);
+  carry.refs.resize(2 * carried);
+  scale.transfers.resize(filled + empty_runs);
+  scale.refs.resize(2 * filled + empty_runs);
+  scale.weights.assign(scale.refs.size(), 1.0);
+  share->weight_source.assign(scale.refs.size(), -1);
+  dots.transfers.resize(filled + dropped_runs);
+  dots.refs.resize(3 * filled + dropped_runs);
+  // Transfer i of `plan`: refs from `at` on, `srcs` sources then `dsts`
+  // destinations; returns where the next one's refs start.
+  auto put = [](Plan& plan, size_t i, uint32_t at, uint32_t srcs, uint32_t dsts, uint32_t span) {
+    Transfer& t = plan.transfers[i];
+    t.src_begin = at;
+    t.src_count = srcs;
+    t.dst_begin = at + srcs;
+    t.dst_count = dsts;
+    t.span = span;
+    t.local_copies = 0;  // one destination
+    return at + srcs + dsts;
+  };
+
   // In that order (the host runs every owner's share token by token at once,
   // MoeBackwardSharesPhase, so each share's transfers are read in order; and
   // a carried row's readers follow one another, so on the NPU it is read from
   // cache): per token, its carried row, then w x it into each of the token's
   // rows here and each pair's dot.
-  // 32-bit divides (sources < 2^31): a 64-bit one per row was a third of the build.
-  const uint32_t u_topk = static_cast<uint32_t>(k_top), u_pairs = static_cast<uint32_t>(pairs);
-  const uint32_t u_tokens = static_cast<uint32_t>(p.tokens);
   uint32_t last_token = UINT32_MAX;
   int32_t j = -1;
-  for (const uint64_t entry : by_source) {
+  for (size_t i = 0; i < filled; ++i) {
+    const uint64_t entry = by_source[i];
     const uint32_t src = static_cast<uint32_t>(entry >> 32);
     const int32_t dst_row = static_cast<int32_t>(static_cast<uint32_t>(entry));
     const uint32_t token = src / u_topk;  // r * tokens + t
     const uint32_t r = token / u_tokens;
     if (token != last_token) {
-      j = static_cast<int32_t>(share->carry.transfers.size());
-      const BlockRef from{static_cast<int32_t>(r), static_cast<int32_t>(token - r * u_tokens)}, to{o, j};
-      share->carry.Add(&from, 1, &to, 1);
+      ++j;
+      put(carry, j, 2 * j, 1, 1, 1);
+      carry.refs[2 * j] = {static_cast<int32_t>(r), static_cast<int32_t>(token - r * u_tokens)};
+      carry.refs[2 * j + 1] = {o, j};
       last_token = token;
     }
-    const int64_t pair = src - r * u_pairs;
-    share->row_transfer[dst_row] = static_cast<uint32_t>(share->scale.transfers.size());
-    const BlockRef dst{o, dst_row};
-    const BlockRef carried{o, j};  // scale's scratch starts at block 0 (no input)
-    const double w = 1.0;
-    share->weight_source.resize(share->scale.refs.size() + 2, -1);
-    share->weight_source[share->scale.refs.size()] = static_cast<int32_t>(src);
-    share->scale.AddWeighted(&carried, &w, 1, &dst, 1);
-    const BlockRef operands[2] = {{o, static_cast<int32_t>(per_rank + j)}, dst};
-    const BlockRef value{static_cast<int32_t>(r), static_cast<int32_t>(pair)};
-    share->dots.Add(operands, 2, &value, 1);
+    const int32_t pair = static_cast<int32_t>(src - r * u_pairs);
+    share->row_transfer[dst_row] = static_cast<uint32_t>(i);
+    // scale: the carried row (scratch starts at block 0: no input) into the row.
+    put(scale, i, static_cast<uint32_t>(2 * i), 1, 1, 1);
+    scale.refs[2 * i] = {o, j};
+    scale.refs[2 * i + 1] = {o, dst_row};
+    share->weight_source[2 * i] = static_cast<int32_t>(src);
+    // dots: <carried row, expert row> into the pair's value on its rank.
+    put(dots, i, static_cast<uint32_t>(3 * i), 2, 1, 1);
+    dots.refs[3 * i] = {o, static_cast<int32_t>(per_rank + j)};
+    dots.refs[3 * i + 1] = {o, dst_row};
+    dots.refs[3 * i + 2] = {static_cast<int32_t>(r), pair};
   }
-  share->pair_transfers = static_cast<uint32_t>(share->scale.transfers.size());
+  share->pair_transfers = static_cast<uint32_t>(filled);
   // The runs of empty rows, zeroed.
+  size_t next = filled;
+  uint32_t at = static_cast<uint32_t>(2 * filled);
   for (int64_t row = 0; row < per_rank;) {
     if (slot_source[row] >= 0) {
       ++row;
@@ -120,26 +170,22 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
     }
     int64_t end = row + 1;
     while (end < per_rank && slot_source[end] < 0) ++end;
-    const BlockRef dst{o, static_cast<int32_t>(row)};
-    share->weight_source.resize(share->scale.refs.size() + 1, -1);
-    share->scale.Add(nullptr, 0, &dst, 1, static_cast<uint32_t>(end - row));
+    scale.refs[at] = {o, static_cast<int32_t>(row)};
+    at = put(scale, next++, at, 0, 1, static_cast<uint32_t>(end - row));
     row = end;
   }
   // Rank o's dropped pairs' values, zeroed on it, a run at a time.
+  next = filled;
+  at = static_cast<uint32_t>(3 * filled);
   for (int64_t i = 0; i < pairs;) {
     if (pair_slot[i] != -1) {
-      if (pair_slot[i] < -1 || pair_slot[i] >= slots) {
-        std::ostringstream os;
-        os << "rank " << o << "'s pair_slot[" << i << "] = " << pair_slot[i] << " is outside [-1, " << slots << ")";
-        return fail(os.str());
-      }
       ++i;
       continue;
     }
     int64_t end = i + 1;
     while (end < pairs && pair_slot[end] == -1) ++end;
-    const BlockRef value{o, static_cast<int32_t>(i)};
-    share->dots.Add(nullptr, 0, &value, 1, static_cast<uint32_t>(end - i));
+    dots.refs[at] = {o, static_cast<int32_t>(i)};
+    at = put(dots, next++, at, 0, 1, static_cast<uint32_t>(end - i));
     i = end;
   }
   AddRankBytes(share->carry, &share->carry_rank_bytes);

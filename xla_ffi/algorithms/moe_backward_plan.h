@@ -49,6 +49,9 @@ struct MoeBackwardShare {
   // Bytes each rank reads + writes in `carry` (AddRankBytes): the carry's
   // lanes are chosen over the busiest rank's sum of every share's.
   std::vector<int64_t> carry_rank_bytes;
+  // In strata mode, what each plan credits its NPU's lanes (the host runs
+  // the shares token by token, not by lanes: PartitionCredit, not Partition).
+  LaneCredit carry_credit, scale_credit, dots_credit;
   // The build's scratch, kept with the share so a pooled share reuses it.
   std::vector<uint64_t> by_source;  // (source << 32 | row) of the filled rows, sorted
   int64_t CapacityBytes() const;

@@ -43,6 +43,8 @@ struct MoeCombinePlans {
   // Per rank: its first transfer in `partials`; the one writing its scratch
   // block j is first_partial[r] + j.
   std::vector<uint32_t> first_partial;
+  // Strata mode: the partials' lanes' credit (they run fused into the sums).
+  LaneCredit partials_credit;
 };
 
 // Token rank r's share, numbered within itself: `sums` holds r's tokens'

@@ -940,6 +940,17 @@ void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool dire
   for (uint64_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) CreditPlanChunk(plan, c, devices, direct);
 }
 
+void CreditLanes(const LaneCredit& credit, const std::vector<int32_t>& devices, bool direct) {
+  thread_local std::vector<Stats::LaneBytes> lane_bytes;
+  lane_bytes.clear();
+  for (const LaneTask& task : credit.tasks)
+    if (task.bytes > 0) lane_bytes.push_back({devices[task.npu], task.lane, task.bytes});
+  Stats& stats = GlobalStats();
+  stats.AddLaneBytes(credit.on_sdma, credit.lanes_per_npu, lane_bytes);
+  stats.AddExchanged(credit.bytes.carried, direct);
+  stats.AddLocal(credit.bytes.local);
+}
+
 bool RunsInline(const OpParams& p) {
   return RunsInline(p.mode, p.rows * (p.in_blocks + p.out_blocks) * p.block_bytes, p.group_size,
                     kHostChunkBytes);

@@ -203,6 +203,9 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
 // Credits a partitioned plan's lanes and bytes as running it would, without
 // running it (a producer whose work its readers did, fused).
 void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool direct);
+// The same from a plan's lane credit (PartitionCredit): what CreditPlan of
+// the plan partitioned the same way credits.
+void CreditLanes(const LaneCredit& credit, const std::vector<int32_t>& devices, bool direct);
 
 // Adds to (*rank_bytes)[r] the bytes per row rank r reads + writes in
 // `plan` (sized by the caller: a plan built in parts adds each part's).

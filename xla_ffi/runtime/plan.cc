@@ -78,6 +78,34 @@ inline int64_t BytesPerColumn(const Plan& plan, const Transfer& t) {
   return plan.dot ? std::max<uint32_t>(1, t.src_count) : t.src_count + t.dst_count;
 }
 
+// Every share of the plan's transfers, to `emit(transfer, npu, col_begin,
+// col_end)`: each transfer's columns are shared evenly by its destination
+// ranks, in shares of at least kMinShareBytes: a block too small to split N
+// ways (a 4 KB all_gather over 384 ranks) goes to fewer ranks, rotating with
+// the transfer so every rank still gets its turn.
+template <typename Emit>
+void ForEachShare(const Plan& p, int64_t align_bytes, Emit&& emit) {
+  constexpr int64_t kMinShareBytes = 4096;
+  for (uint32_t ti = 0; ti < p.transfers.size(); ++ti) {
+    const Transfer& t = p.transfers[ti];
+    const int64_t cols = p.Columns(t);
+    if (t.dst_count == 0 || cols <= 0) continue;
+    if (t.dst_count == 1 || cols < 2 * kMinShareBytes) {
+      // One share (MoE's rows, ragged runs): no divide per transfer, which
+      // cost MoE dispatch's ten thousand transfers most of Partition's time.
+      emit(ti, p.Executor(t, p.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank), int64_t{0}, cols);
+      continue;
+    }
+    const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, cols / kMinShareBytes));
+    for (int64_t s = 0; s < shares; ++s) {
+      int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align_bytes));
+      int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align_bytes));
+      if (c1 <= c0) continue;
+      emit(ti, p.Executor(t, p.refs[t.dst_begin + (s + ti) % t.dst_count].rank), c0, c1);
+    }
+  }
+}
+
 // Folds `next` into `run` when it is the run's next copy: the same columns,
 // its ranks and blocks one more step along (the first two copies set the step).
 bool ExtendRun(Move& run, const Move& next) {
@@ -146,6 +174,88 @@ void PullMoves(Plan& plan) {
 
 }  // namespace
 
+// In place: `mine` (the shares) starts `lanes` places after `pieces`, and the
+// piece written while share i is read has an index below i + lanes (one per
+// share done, plus one per cut, and the lanes so far made fewer than `lanes`
+// cuts), so it never lands on share i or a later one.
+//
+// kWrite false: only the lanes' tasks' npu, lane and bytes (PartitionCredit):
+// the walk is the same, so are the bytes; `pieces` is not touched (`used`
+// still counts the ranges a lane would have, so a lane has a task exactly
+// when it would).
+template <bool kWrite>
+void BalanceLanes(const Plan& plan, int npu, int lanes, int64_t align, int64_t min_lane_bytes, const Piece* mine,
+                  size_t count, Piece* pieces, LaneTask* tasks, size_t* used_out, size_t* made_out) {
+  size_t used = 0, made = 0;
+  int64_t total = 0;
+  for (size_t i = 0; i < count; ++i)
+    total += (mine[i].col_end - mine[i].col_begin) * BytesPerColumn(plan, plan.transfers[mine[i].transfer]);
+  const int64_t used_lanes =
+      std::max<int64_t>(1, std::min<int64_t>(lanes, total / std::max<int64_t>(1, min_lane_bytes)));
+  // Walk the pieces, cutting whenever the running byte count passes the
+  // next lane's quota; the cut is snapped to an aligned column.
+  size_t pi = 0;
+  int64_t col = mine[0].col_begin;
+  int64_t done = 0;
+  for (int64_t l = 0; l < used_lanes && pi < count; ++l) {
+    // An equal share of what is left: a lane that ended at a piece's end
+    // (below) spreads its shortfall over all the lanes after it.
+    const int64_t quota_end = l + 1 == used_lanes ? total : done + (total - done) / (used_lanes - l);
+    LaneTask task{npu, static_cast<int32_t>(l), static_cast<uint32_t>(used), 0, 0};
+    while (pi < count && done < quota_end) {
+      const Piece p = mine[pi];  // a copy: writing the piece may reuse a share's place
+      const int64_t bpc = BytesPerColumn(plan, plan.transfers[p.transfer]);
+      // The rest of the piece fits the quota: no divide (most pieces of a
+      // plan of many small transfers).
+      int64_t end = (p.col_end - col) * bpc <= quota_end - done
+                        ? p.col_end
+                        : std::min(p.col_end, col + (quota_end - done + bpc - 1) / bpc);
+      // A short tail of a piece that is not the NPU's last goes with this
+      // lane rather than making the next one straddle two pieces.
+      if (end < p.col_end && l + 1 != used_lanes && pi + 1 < count && 2 * (p.col_end - end) <= kMessageBytes)
+        end = p.col_end;
+      if (end < p.col_end && l + 1 != used_lanes) {
+        // To the nearest aligned column: rounding down every cut carried
+        // each lane's shortfall on to the last lane (47 lanes of one
+        // column and one of 17 for a 4 KB all_reduce over 48 lanes).
+        int64_t snapped = std::min(p.col_end, p.col_begin + AlignNearest(end - p.col_begin, align));
+        end = snapped > col ? snapped : std::min(p.col_end, col + align);
+      }
+      if (l + 1 == used_lanes) end = p.col_end;
+      // A range that continues the lane's previous one is the same piece
+      // (one contiguous copy: one DataCopy or descriptor on the NPU).
+      if (!kWrite) {
+        ++used;
+      } else if (used > task.piece_begin && pieces[used - 1].transfer == p.transfer && pieces[used - 1].col_end == col) {
+        pieces[used - 1].col_end = end;
+      } else {
+        pieces[used++] = {p.transfer, npu, col, end};
+      }
+      task.bytes += plan.PieceBytes(plan.transfers[p.transfer], end - col);
+      done += (end - col) * bpc;
+      col = end;
+      if (col >= p.col_end) {
+        ++pi;
+        if (pi < count) col = mine[pi].col_begin;
+        // The lane's piece ended just short of its quota: starting the
+        // next piece, only to cut it, would cost the lane that piece's
+        // messages for less than one message's worth of its bytes; the
+        // next lane takes the piece (a whole small piece still goes here).
+        if (pi < count && l + 1 != used_lanes) {
+          const int64_t next_bpc = BytesPerColumn(plan, plan.transfers[mine[pi].transfer]);
+          const int64_t room_left = quota_end - done;
+          if (2 * room_left < next_bpc * kMessageBytes && room_left < (mine[pi].col_end - mine[pi].col_begin) * next_bpc)
+            break;
+        }
+      }
+    }
+    task.piece_end = static_cast<uint32_t>(used);
+    if (task.piece_end > task.piece_begin) tasks[made++] = task;
+  }
+  *used_out = used;
+  *made_out = made;
+}
+
 PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
                              int64_t host_chunk_bytes)
     : plan_(plan), lanes_(std::max(1, lanes)), planner_(planner), min_lane_bytes_(min_lane_bytes),
@@ -156,36 +266,11 @@ PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t ali
   const int64_t esize = static_cast<int64_t>(DTypeSize(p.dtype));
   align_ = std::max<int64_t>(align / esize * esize, esize);
 
-  // 1. Each transfer's columns are shared evenly by its destination ranks,
-  // in shares of at least kMinShareBytes: a block too small to split N ways
-  // (a 4 KB all_gather over 384 ranks) goes to fewer ranks, rotating with
-  // the transfer so every rank still gets its turn.
-  constexpr int64_t kMinShareBytes = 4096;
-  const int64_t align_bytes = align_;
-  // Every share, to `emit(transfer, npu, col_begin, col_end)`; run twice:
-  // to count each NPU's pieces, then to place them in one array by NPU (a
-  // vector per NPU grown piece by piece cost MoE dispatch's ten thousand
-  // transfers a third of Partition).
-  auto shares_of = [&](auto&& emit) {
-    for (uint32_t ti = 0; ti < p.transfers.size(); ++ti) {
-      const Transfer& t = p.transfers[ti];
-      const int64_t cols = p.Columns(t);
-      if (t.dst_count == 0 || cols <= 0) continue;
-      if (t.dst_count == 1 || cols < 2 * kMinShareBytes) {
-        // One share (MoE's rows, ragged runs): no divide per transfer, which
-        // cost MoE dispatch's ten thousand transfers most of Partition's time.
-        emit(ti, p.Executor(t, p.refs[t.dst_begin + (t.dst_count == 1 ? 0 : ti % t.dst_count)].rank), int64_t{0}, cols);
-        continue;
-      }
-      const int64_t shares = std::max<int64_t>(1, std::min<int64_t>(t.dst_count, cols / kMinShareBytes));
-      for (int64_t s = 0; s < shares; ++s) {
-        int64_t c0 = std::min(cols, AlignDown(cols * s / shares, align_bytes));
-        int64_t c1 = s + 1 == shares ? cols : std::min(cols, AlignDown(cols * (s + 1) / shares, align_bytes));
-        if (c1 <= c0) continue;
-        emit(ti, p.Executor(t, p.refs[t.dst_begin + (s + ti) % t.dst_count].rank), c0, c1);
-      }
-    }
-  };
+  // 1. Each transfer's columns are shared evenly by its destination ranks
+  // (ForEachShare), run twice: to count each NPU's pieces, then to place
+  // them in one array by NPU (a vector per NPU grown piece by piece cost MoE
+  // dispatch's ten thousand transfers a third of Partition).
+  auto shares_of = [&](auto&& emit) { ForEachShare(p, align_, emit); };
   npu_start_.assign(n + 1, 0);
   shares_of([&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) {
     npu_start_[npu + 1]++;
@@ -253,80 +338,9 @@ void PlanPartition::Npu(int npu) {
   task_count_[npu] = made;
 }
 
-// In place: `mine` (the shares) starts `lanes` places after `pieces`, and the
-// piece written while share i is read has an index below i + lanes (one per
-// share done, plus one per cut, and the lanes so far made fewer than `lanes`
-// cuts), so it never lands on share i or a later one.
 void PlanPartition::Balance(int npu, const Piece* mine, size_t count, Piece* pieces, LaneTask* tasks,
                             size_t* used_out, size_t* made_out) const {
-  const Plan& plan = *plan_;
-  const int64_t align = align_;
-  size_t used = 0, made = 0;
-  int64_t total = 0;
-  for (size_t i = 0; i < count; ++i)
-    total += (mine[i].col_end - mine[i].col_begin) * BytesPerColumn(plan, plan.transfers[mine[i].transfer]);
-  const int64_t used_lanes =
-      std::max<int64_t>(1, std::min<int64_t>(lanes_, total / std::max<int64_t>(1, min_lane_bytes_)));
-  // Walk the pieces, cutting whenever the running byte count passes the
-  // next lane's quota; the cut is snapped to an aligned column.
-  size_t pi = 0;
-  int64_t col = mine[0].col_begin;
-  int64_t done = 0;
-  for (int64_t l = 0; l < used_lanes && pi < count; ++l) {
-    // An equal share of what is left: a lane that ended at a piece's end
-    // (below) spreads its shortfall over all the lanes after it.
-    const int64_t quota_end = l + 1 == used_lanes ? total : done + (total - done) / (used_lanes - l);
-    LaneTask task{npu, static_cast<int32_t>(l), static_cast<uint32_t>(used), 0, 0};
-    while (pi < count && done < quota_end) {
-      const Piece p = mine[pi];  // a copy: writing the piece may reuse a share's place
-      const int64_t bpc = BytesPerColumn(plan, plan.transfers[p.transfer]);
-      // The rest of the piece fits the quota: no divide (most pieces of a
-      // plan of many small transfers).
-      int64_t end = (p.col_end - col) * bpc <= quota_end - done
-                        ? p.col_end
-                        : std::min(p.col_end, col + (quota_end - done + bpc - 1) / bpc);
-      // A short tail of a piece that is not the NPU's last goes with this
-      // lane rather than making the next one straddle two pieces.
-      if (end < p.col_end && l + 1 != used_lanes && pi + 1 < count && 2 * (p.col_end - end) <= kMessageBytes)
-        end = p.col_end;
-      if (end < p.col_end && l + 1 != used_lanes) {
-        // To the nearest aligned column: rounding down every cut carried
-        // each lane's shortfall on to the last lane (47 lanes of one
-        // column and one of 17 for a 4 KB all_reduce over 48 lanes).
-        int64_t snapped = std::min(p.col_end, p.col_begin + AlignNearest(end - p.col_begin, align));
-        end = snapped > col ? snapped : std::min(p.col_end, col + align);
-      }
-      if (l + 1 == used_lanes) end = p.col_end;
-      // A range that continues the lane's previous one is the same piece
-      // (one contiguous copy: one DataCopy or descriptor on the NPU).
-      if (used > task.piece_begin && pieces[used - 1].transfer == p.transfer && pieces[used - 1].col_end == col) {
-        pieces[used - 1].col_end = end;
-      } else {
-        pieces[used++] = {p.transfer, npu, col, end};
-      }
-      task.bytes += plan.PieceBytes(plan.transfers[p.transfer], end - col);
-      done += (end - col) * bpc;
-      col = end;
-      if (col >= p.col_end) {
-        ++pi;
-        if (pi < count) col = mine[pi].col_begin;
-        // The lane's piece ended just short of its quota: starting the
-        // next piece, only to cut it, would cost the lane that piece's
-        // messages for less than one message's worth of its bytes; the
-        // next lane takes the piece (a whole small piece still goes here).
-        if (pi < count && l + 1 != used_lanes) {
-          const int64_t next_bpc = BytesPerColumn(plan, plan.transfers[mine[pi].transfer]);
-          const int64_t room_left = quota_end - done;
-          if (2 * room_left < next_bpc * kMessageBytes && room_left < (mine[pi].col_end - mine[pi].col_begin) * next_bpc)
-            break;
-        }
-      }
-    }
-    task.piece_end = static_cast<uint32_t>(used);
-    if (task.piece_end > task.piece_begin) tasks[made++] = task;
-  }
-  *used_out = used;
-  *made_out = made;
+  BalanceLanes<true>(*plan_, npu, lanes_, align_, min_lane_bytes_, mine, count, pieces, tasks, used_out, made_out);
 }
 
 void PlanPartition::Finish() {
@@ -437,6 +451,69 @@ void Partition(Plan& plan, int lanes, Planner planner, int64_t align, int64_t mi
   PlanPartition steps(&plan, lanes, planner, align, min_lane_bytes, host_chunk_bytes);
   for (const int32_t npu : steps.Busy()) steps.Npu(npu);
   steps.Finish();
+}
+
+void PartitionCredit(const Plan& plan, int lanes, Planner planner, LaneCredit* credit, int64_t align,
+                     int64_t min_lane_bytes) {
+  lanes = std::max(1, lanes);
+  const int64_t esize = static_cast<int64_t>(DTypeSize(plan.dtype));
+  const int64_t align_bytes = std::max<int64_t>(align / esize * esize, esize);  // as PlanPartition's
+  credit->tasks.clear();
+  credit->bytes = ChunkBytes{};
+  credit->lanes_per_npu = lanes;
+  credit->on_sdma = plan.on_sdma;
+  // The shares by NPU (a counting sort), in the thread's scratch: npu's are
+  // [start[npu], start[npu + 1]) once placed.
+  thread_local std::vector<Piece> shares;
+  thread_local std::vector<size_t> start;
+  const int n = plan.num_ranks;
+  start.assign(static_cast<size_t>(n) + 2, 0);
+  ForEachShare(plan, align_bytes, [&](uint32_t, int32_t npu, int64_t, int64_t) { start[npu + 2]++; });
+  for (int i = 2; i <= n + 1; ++i) start[i] += start[i - 1];
+  shares.resize(start[n + 1]);
+  ForEachShare(plan, align_bytes,
+               [&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) { shares[start[npu + 1]++] = {ti, npu, c0, c1}; });
+  std::vector<LaneTask>& tasks = credit->tasks;
+  for (int npu = 0; npu < n; ++npu) {
+    const size_t count = start[npu + 1] - start[npu];
+    if (count == 0) continue;
+    const Piece* mine = shares.data() + start[npu];
+    const size_t first = tasks.size();
+    tasks.resize(first + static_cast<size_t>(lanes));
+    size_t used = 0, made = 0;
+    if (planner == Planner::kNaive) {
+      for (int l = 0; l < lanes && static_cast<size_t>(l) < count; ++l) {
+        LaneTask task{npu, l, 0, 0, 0};
+        for (size_t i = static_cast<size_t>(l); i < count; i += static_cast<size_t>(lanes))
+          task.bytes += plan.PieceBytes(plan.transfers[mine[i].transfer], mine[i].col_end - mine[i].col_begin);
+        tasks[first + made++] = task;
+      }
+    } else {
+      BalanceLanes<false>(plan, npu, lanes, align_bytes, min_lane_bytes, mine, count, nullptr, tasks.data() + first,
+                          &used, &made);
+      for (size_t i = first; i < first + made; ++i) tasks[i].piece_begin = tasks[i].piece_end = 0;
+    }
+    tasks.resize(first + made);
+  }
+  // The bytes by kind, as Finish counts them over the pieces: the pieces
+  // cover each transfer's columns once, and every count is linear in them.
+  ChunkBytes& bytes = credit->bytes;
+  for (const Transfer& t : plan.transfers) {
+    const int64_t cols = plan.Columns(t);
+    if (t.dst_count == 0 || cols <= 0) continue;
+    bytes.written += plan.OutBytes(cols) * t.dst_count;
+    if (t.src_count == 0) continue;
+    if (plan.dot) {
+      bytes.carried += plan.OutBytes(cols) * t.dst_count;
+    } else if (plan.local_sums) {
+      bytes.local += cols * t.src_count;
+    } else if (plan.weighted) {
+      bytes.carried += cols * t.src_count;
+    } else {
+      bytes.carried += cols * (t.dst_count - t.local_copies);
+      bytes.local += cols * t.local_copies;
+    }
+  }
 }
 
 double LaneImbalance(const Plan& plan) {

@@ -239,6 +239,21 @@ class PlanPartition {
   std::vector<size_t> piece_count_, task_count_;  // per NPU, as split
 };
 
+// What a partitioned plan credits its lanes, without the pieces: for a plan
+// the host runs in its own order (not by lanes) whose lanes only need their
+// bytes (stats, the model's cross-check). Partition's tasks, lane for lane
+// and byte for byte (npu, lane, bytes; piece ranges unset), and the bytes
+// by kind its chunks would hold, summed. Partitioning a plan only to credit
+// it was most of MoE's per-op build on the host.
+struct LaneCredit {
+  std::vector<LaneTask> tasks;
+  ChunkBytes bytes;
+  int32_t lanes_per_npu = 0;
+  bool on_sdma = false;
+};
+void PartitionCredit(const Plan& plan, int lanes, Planner planner, LaneCredit* credit, int64_t align = 64,
+                     int64_t min_lane_bytes = 1);
+
 // max/mean of the bytes per used lane over all NPUs' lanes (1.0 is perfect).
 double LaneImbalance(const Plan& plan);
 

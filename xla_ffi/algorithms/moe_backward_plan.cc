@@ -126,11 +126,11 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
     return at + srcs + dsts;
   };
 
-  // In that order (the host runs every owner's share token by token at once,
-  // MoeBackwardSharesPhase, so each share's transfers are read in order; and
-  // a carried row's readers follow one another, so on the NPU it is read from
-  // cache): per token, its carried row, then w x it into each of the token's
-  // rows here and each pair's dot.
+  // In that order (the host runs a few tokens' pairs of each owner's share at
+  // a time, MoeBackwardSharesPhase: one run of its transfers, read in order;
+  // and a carried row's readers follow one another, so on the NPU it is read
+  // from cache): per token, its carried row, then w x it into each of the
+  // token's rows here and each pair's dot.
   uint32_t last_token = UINT32_MAX;
   int32_t j = -1;
   for (size_t i = 0; i < filled; ++i) {
@@ -229,11 +229,14 @@ Phase MoeBackwardSharesPhase(const MoeOpShape& p, std::vector<std::shared_ptr<co
     groups[kScales].plans.push_back({std::shared_ptr<const Plan>(share, &share->scale), carry, at_zero});
     groups[kDots].plans.push_back({std::shared_ptr<const Plan>(share, &share->dots), carry, at_zero});
   }
-  // A token's pairs read and write ~4 rows each.
-  const int64_t tokens_per_task = std::max<int64_t>(1, kHostChunkBytes / std::max<int64_t>(1, 4 * p.row_bytes() * p.topk));
+  // A token's pairs read and write ~4 rows each; a task is ~4 host chunks of
+  // them, so each owner's run of its transfers in a task is long enough for
+  // its records to stream (one chunk a task was ~5 % slower).
+  const int64_t tokens_per_task =
+      std::max<int64_t>(1, 4 * kHostChunkBytes / std::max<int64_t>(1, 4 * p.row_bytes() * p.topk));
   const int64_t tasks_per_rank = (p.tokens + tokens_per_task - 1) / tokens_per_task;
   const uint64_t token_tasks = static_cast<uint64_t>(n * tasks_per_rank);
-  auto order = [p, shares = std::move(shares), pair_slot = std::move(pair_slot), tokens_per_task, tasks_per_rank,
+  auto order = [n, p, shares = std::move(shares), pair_slot = std::move(pair_slot), tokens_per_task, tasks_per_rank,
                 token_tasks](uint64_t task, const TransferRunner& run) {
     if (task >= token_tasks) {  // an owner's zero runs
       const int o = static_cast<int>(task - token_tasks);
@@ -247,25 +250,34 @@ Phase MoeBackwardSharesPhase(const MoeOpShape& p, std::vector<std::shared_ptr<co
     const int64_t end = std::min(p.tokens, first + tokens_per_task) * p.topk;
     const int64_t per_rank = p.local_experts() * p.capacity;
     const int32_t* slots = pair_slot[r];
-    // What the transfers read of the plans, a few pairs ahead (the pairs
-    // jump between the owners' shares): a link of the chain per stage, the
-    // first sixteen pairs ahead, the last four.
-    auto ask = [&](int64_t pair, int stage) {
-      const int32_t slot = pair < end ? slots[pair] : -1;
-      if (slot < 0) return;
-      const int o = static_cast<int>(slot / per_rank);
-      const uint32_t i = shares[o]->row_transfer[slot - o * per_rank];
-      run.Prefetch(kScales, o, i, stage);
-      if (stage < 2) run.Prefetch(kDots, o, i, stage);  // the dots' producer records are the scale's
-    };
+    // The task's pairs on one owner are one run of its transfers (an owner's
+    // are in its tokens' order): its first pair's, as many as it has here.
+    // Run owner by owner, each run reads its plans' records in order, as the
+    // hardware's prefetchers follow; pair by pair, jumping between the
+    // owners, each record was a miss. The task's carried rows (a few tokens'
+    // ct_y) stay in cache from one owner to the next.
+    thread_local std::vector<int32_t> owners;
+    thread_local std::vector<uint32_t> begin, count;
+    if (count.size() < static_cast<size_t>(n)) {
+      begin.assign(n, 0);
+      count.assign(n, 0);
+    }
+    owners.clear();
     for (int64_t pair = first * p.topk; pair < end; ++pair) {
-      for (int stage = 0; stage < 4; ++stage) ask(pair + 16 - 4 * stage, stage);
       const int32_t slot = slots[pair];
       if (slot < 0) continue;
       const int o = static_cast<int>(slot / per_rank);
-      const uint32_t i = shares[o]->row_transfer[slot - o * per_rank];
-      run.Run(kScales, o, i);
-      run.Run(kDots, o, i);
+      if (count[o]++ == 0) {
+        owners.push_back(o);
+        begin[o] = shares[o]->row_transfer[slot - o * per_rank];
+      }
+    }
+    for (const int o : owners) {
+      for (uint32_t i = begin[o], last = begin[o] + count[o]; i < last; ++i) {
+        run.Run(kScales, o, i);
+        run.Run(kDots, o, i);
+      }
+      count[o] = 0;
     }
   };
   return OrderedPlanPhase(std::move(groups), token_tasks + n, std::move(order));

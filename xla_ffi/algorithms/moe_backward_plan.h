@@ -41,16 +41,16 @@ struct MoeBackwardShare {
   // slot_source), or -1.
   std::vector<int32_t> weight_source;
   // Per row of the owner: the index of its transfer in `scale` and in `dots`
-  // (the same: the pairs' transfers come first in both, in one order), for
-  // a filled row; the first `pair_transfers` of each are the pairs', the
-  // rest zero runs.
+  // (the same: the pairs' transfers come first in both, in their sources'
+  // order), for a filled row; the first `pair_transfers` of each are the
+  // pairs', the rest zero runs.
   std::vector<uint32_t> row_transfer;
   uint32_t pair_transfers = 0;
   // Bytes each rank reads + writes in `carry` (AddRankBytes): the carry's
   // lanes are chosen over the busiest rank's sum of every share's.
   std::vector<int64_t> carry_rank_bytes;
   // In strata mode, what each plan credits its NPU's lanes (the host runs
-  // the shares token by token, not by lanes: PartitionCredit, not Partition).
+  // the shares in its own order, not by lanes: PartitionCredit, not Partition).
   LaneCredit carry_credit, scale_credit, dots_credit;
   // The build's scratch, kept with the share so a pooled share reuses it.
   std::vector<uint64_t> by_source;  // (source << 32 | row) of the filled rows, sorted
@@ -73,16 +73,17 @@ void FillMoeBackwardWeights(const MoeOpShape& p, const std::vector<const void*>&
 bool MoeBackwardCarryOnSdma(const MoeOpShape& p, const std::vector<const MoeBackwardShare*>& shares,
                             double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
 
-// The owners' shares run on the host as strata mode runs them: token by
-// token across the owners (each token rank's tokens in order, a token's
-// pairs k ascending: a token's carried row, read where it comes from, its
-// ct_y, stays in cache for all its products; owner by owner, lane by lane,
-// it came from memory once per owner), then each owner's zero runs; about a
-// host chunk of work per task (OrderedPlanPhase). pair_slot[r]: rank r's
+// The owners' shares run on the host as strata mode runs them: a few
+// tokens of one token rank a task (~4 host chunks of work), owner by owner
+// within it (each owner's pairs of those tokens are one run of its
+// transfers: its records stream, and the tokens' carried rows, read where
+// they come from (ct_y), stay in cache from one owner to the next; lane by
+// lane, owner by owner, each came from memory once per owner); then each
+// owner's zero runs, a task each (OrderedPlanPhase). pair_slot[r]: rank r's
 // slots, which must agree with the shares' sources (checked before). The
 // buffers: the scale's out (d_expert_y) and producer_in (ct_y); the dots'
 // in (expert rows), out (d_weights) and producer_in. Credits nothing: the
-// caller credits the shares as partitioned (CreditPlan).
+// caller credits the shares' lanes (CreditLanes).
 Phase MoeBackwardSharesPhase(const MoeOpShape& p, std::vector<std::shared_ptr<const MoeBackwardShare>> shares,
                              std::vector<const int32_t*> pair_slot, const PlanBuffers& scale_buffers,
                              const PlanBuffers& dot_buffers);

@@ -433,6 +433,8 @@ void RunDot(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, const V
   }
 }
 
+void RunGeneral(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v);
+
 // Moves columns [c0, c1) of one transfer, every row.
 void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
   if (plan.dot) return RunDot(plan, plan.transfers[transfer], c0, c1, v);
@@ -448,6 +450,15 @@ void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, con
              v.in[sb.rank] + sb.block * v.block_stride + local, len, v);
     return;
   }
+  RunGeneral(plan, transfer, c0, c1, v);
+}
+
+// RunColumns' general case: any sources to any destinations, through
+// pointer tables. Apart, so the row kernels' paths (a transfer each, tens of
+// thousands per MoE op) do not set up its 8 KiB frame every call: inlined
+// into RunColumns it was a sixth of the backward's run beside its kernels.
+__attribute__((noinline)) void RunGeneral(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1,
+                                          const View& v) {
   const void* srcs[512];
   void* dsts[512];
   std::vector<const void*> srcs_heap;
@@ -896,26 +907,6 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
       v.producer = f.producer.get();
       v.producer_first = f.first ? f.first->data() : nullptr;
       RunColumns(*f.plan, transfer, 0, f.plan->Columns(f.plan->transfers[transfer]), v);
-    }
-    void Prefetch(size_t g, size_t p, uint32_t transfer, int stage) const override {
-      const FusedPlan& f = (*groups)[g].plans[p];
-      const Plan& plan = *f.plan;
-      const Transfer* t = plan.transfers.data() + transfer;
-      if (stage == 0) return __builtin_prefetch(t, 0, 3);
-      if (stage == 1) {
-        __builtin_prefetch(plan.refs.data() + t->src_begin, 0, 3);
-        __builtin_prefetch(plan.refs.data() + t->dst_begin, 0, 3);
-        if (plan.weighted) __builtin_prefetch(plan.weights.data() + t->src_begin, 0, 3);
-        return;
-      }
-      if (!f.producer || !f.first) return;
-      for (uint32_t k = 0; k < t->src_count; ++k) {
-        const BlockRef& b = plan.refs[t->src_begin + k];
-        if (b.block < plan.in_blocks) continue;
-        const Transfer* pt = f.producer->transfers.data() + (*f.first)[b.rank] + (b.block - plan.in_blocks);
-        if (stage == 2) __builtin_prefetch(pt, 0, 3);
-        else __builtin_prefetch(f.producer->refs.data() + pt->src_begin, 0, 3);
-      }
     }
   };
   Phase phase;

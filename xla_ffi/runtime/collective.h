@@ -177,24 +177,15 @@ struct PlanGroup {
 class TransferRunner {
  public:
   virtual void Run(size_t group, size_t plan, uint32_t transfer) const = 0;
-  // Asks the cache for what Run(group, plan, transfer) will read of the
-  // plans, one link of the chain per stage: 0 the transfer's record, 1 its
-  // refs and weights, 2 the fused producer's records of its scratch
-  // sources, 3 their refs. Each stage reads what the one before asked for:
-  // ask stage s some transfers before stage s + 1. An order of the caller's
-  // own jumps between plans, which the hardware's prefetchers do not follow:
-  // each link was a miss (MoE combine's backward, token by token across the
-  // owners' shares, spent a tenth of its run on them).
-  virtual void Prefetch(size_t group, size_t plan, uint32_t transfer, int stage) const = 0;
 
  protected:
   ~TransferRunner() = default;
 };
 // Runs whole transfers of plans in the caller's order, the host's rather
 // than the lanes': task i calls order(i, runner). MoE combine's backward
-// runs its owners' shares token by token across the owners, so a token's
-// carried row comes from memory once for all its products, as a token loop
-// reads it, where lane by lane each owner read it again. Nothing is
+// runs its owners' shares a few tokens at a time across the owners, so a
+// token's carried row comes from memory once for all its products, as a
+// token loop reads it, where lane by lane each owner read it again. Nothing is
 // credited: the caller credits the plans as partitioned (CreditPlan), the
 // NPUs' split of the same transfers.
 Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,

@@ -1305,6 +1305,10 @@ void CheckMoeBackwardPlans(int64_t* plans) {
               CheckMoeBackwardPlan(rng, n, 4 * n, 17, topk, capacity, hidden, planner, staged);
               ++*plans;
             }
+  // Sources past 2^16 (n x tokens x topk = 80000): the shares sort them by
+  // three bytes.
+  CheckMoeBackwardPlan(rng, 4, 16, 5000, 4, 4096, 3, Planner::kBalanced, false);
+  ++*plans;
   // A slot whose source is another pair: refused, naming the op.
   MoeOpShape p;
   p.group_size = 1, p.num_experts = 1, p.capacity = 2, p.tokens = 2, p.topk = 1, p.hidden = 1;

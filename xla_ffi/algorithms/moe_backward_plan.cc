@@ -36,6 +36,22 @@ void ResetAll(const MoeOpShape& p, Plan* carry, Plan* scale, Plan* dots) {
   dots->dot = true;
   dots->out_block_bytes = static_cast<int64_t>(DTypeSize(MoeWeightDType(p.dtype)));
 }
+
+// Entries (source << 32 | row) in row order, sorted by source: an LSD radix
+// sort, a byte of the source a pass over the bytes max_source needs (a
+// std::sort of them was a third of the build). Stable, so equal sources (a
+// corrupt handle, refused later) keep row order, as sorting whole entries would.
+void SortBySource(uint32_t max_source, std::vector<uint64_t>* entries, std::vector<uint64_t>* scratch) {
+  scratch->resize(entries->size());
+  for (int shift = 32; shift < 64 && (static_cast<uint64_t>(max_source) >> (shift - 32)) != 0; shift += 8) {
+    size_t at[257] = {};
+    for (const uint64_t e : *entries) at[((e >> shift) & 255) + 1]++;
+    for (int i = 0; i < 256; ++i) at[i + 1] += at[i];
+    uint64_t* out = scratch->data();
+    for (const uint64_t e : *entries) out[at[(e >> shift) & 255]++] = e;
+    entries->swap(*scratch);
+  }
+}
 }  // namespace
 
 int64_t MoeBackwardShare::CapacityBytes() const {
@@ -48,7 +64,7 @@ int64_t MoeBackwardShare::CapacityBytes() const {
     bytes += credit->tasks.capacity() * sizeof(LaneTask);
   return bytes + weight_source.capacity() * sizeof(int32_t) + carry_rank_bytes.capacity() * sizeof(int64_t) +
          row_transfer.capacity() * sizeof(uint32_t) +
-         by_source.capacity() * sizeof(uint64_t);
+         (by_source.capacity() + sort_scratch.capacity()) * sizeof(uint64_t);
 }
 
 Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slot, const int32_t* slot_source,
@@ -78,7 +94,7 @@ Status BuildMoeBackwardShare(const MoeOpShape& p, int o, const int32_t* pair_slo
     }
     by_source.push_back(static_cast<uint64_t>(src) << 32 | static_cast<uint64_t>(row));
   }
-  std::sort(by_source.begin(), by_source.end());
+  SortBySource(static_cast<uint32_t>(n * pairs - 1), &by_source, &share->sort_scratch);
 
   // The runs of empty rows and of rank o's dropped pairs (checked in range),
   // counted first: every list below is sized once and written in place

@@ -54,6 +54,7 @@ struct MoeBackwardShare {
   LaneCredit carry_credit, scale_credit, dots_credit;
   // The build's scratch, kept with the share so a pooled share reuses it.
   std::vector<uint64_t> by_source;  // (source << 32 | row) of the filled rows, sorted
+  std::vector<uint64_t> sort_scratch;
   int64_t CapacityBytes() const;
 };
 

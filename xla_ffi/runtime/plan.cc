@@ -174,6 +174,16 @@ void PullMoves(Plan& plan) {
 
 }  // namespace
 
+// The shares of a plan whose every transfer is one whole share on one NPU
+// (a MoE share's plans: every row on its owner): share i is transfer i.
+struct WholeTransfers {
+  const Plan* plan;
+  int32_t npu;
+  Piece operator[](size_t i) const {
+    return {static_cast<uint32_t>(i), npu, 0, plan->Columns(plan->transfers[i])};
+  }
+};
+
 // In place: `mine` (the shares) starts `lanes` places after `pieces`, and the
 // piece written while share i is read has an index below i + lanes (one per
 // share done, plus one per cut, and the lanes so far made fewer than `lanes`
@@ -183,8 +193,9 @@ void PullMoves(Plan& plan) {
 // the walk is the same, so are the bytes; `pieces` is not touched (`used`
 // still counts the ranges a lane would have, so a lane has a task exactly
 // when it would).
-template <bool kWrite>
-void BalanceLanes(const Plan& plan, int npu, int lanes, int64_t align, int64_t min_lane_bytes, const Piece* mine,
+// `mine[i]` is share i (an array of them, or WholeTransfers).
+template <bool kWrite, typename Shares>
+void BalanceLanes(const Plan& plan, int npu, int lanes, int64_t align, int64_t min_lane_bytes, const Shares& mine,
                   size_t count, Piece* pieces, LaneTask* tasks, size_t* used_out, size_t* made_out) {
   size_t used = 0, made = 0;
   int64_t total = 0;
@@ -462,30 +473,19 @@ void PartitionCredit(const Plan& plan, int lanes, Planner planner, LaneCredit* c
   credit->bytes = ChunkBytes{};
   credit->lanes_per_npu = lanes;
   credit->on_sdma = plan.on_sdma;
-  // The shares by NPU (a counting sort), in the thread's scratch: npu's are
-  // [start[npu], start[npu + 1]) once placed.
-  thread_local std::vector<Piece> shares;
-  thread_local std::vector<size_t> start;
-  const int n = plan.num_ranks;
-  start.assign(static_cast<size_t>(n) + 2, 0);
-  ForEachShare(plan, align_bytes, [&](uint32_t, int32_t npu, int64_t, int64_t) { start[npu + 2]++; });
-  for (int i = 2; i <= n + 1; ++i) start[i] += start[i - 1];
-  shares.resize(start[n + 1]);
-  ForEachShare(plan, align_bytes,
-               [&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) { shares[start[npu + 1]++] = {ti, npu, c0, c1}; });
+  // Each NPU's shares split over its lanes as Partition splits them.
   std::vector<LaneTask>& tasks = credit->tasks;
-  for (int npu = 0; npu < n; ++npu) {
-    const size_t count = start[npu + 1] - start[npu];
-    if (count == 0) continue;
-    const Piece* mine = shares.data() + start[npu];
+  auto split = [&](int npu, const auto& mine, size_t count) {
     const size_t first = tasks.size();
     tasks.resize(first + static_cast<size_t>(lanes));
     size_t used = 0, made = 0;
     if (planner == Planner::kNaive) {
       for (int l = 0; l < lanes && static_cast<size_t>(l) < count; ++l) {
         LaneTask task{npu, l, 0, 0, 0};
-        for (size_t i = static_cast<size_t>(l); i < count; i += static_cast<size_t>(lanes))
-          task.bytes += plan.PieceBytes(plan.transfers[mine[i].transfer], mine[i].col_end - mine[i].col_begin);
+        for (size_t i = static_cast<size_t>(l); i < count; i += static_cast<size_t>(lanes)) {
+          const Piece piece = mine[i];
+          task.bytes += plan.PieceBytes(plan.transfers[piece.transfer], piece.col_end - piece.col_begin);
+        }
         tasks[first + made++] = task;
       }
     } else {
@@ -494,6 +494,35 @@ void PartitionCredit(const Plan& plan, int lanes, Planner planner, LaneCredit* c
       for (size_t i = first; i < first + made; ++i) tasks[i].piece_begin = tasks[i].piece_end = 0;
     }
     tasks.resize(first + made);
+  };
+  // Counted by NPU; when every transfer is one whole share on one NPU (a
+  // MoE share's plans), the transfers are the shares, as they are.
+  const int n = plan.num_ranks;
+  thread_local std::vector<size_t> start;
+  start.assign(static_cast<size_t>(n) + 2, 0);
+  int32_t only_npu = -1;
+  bool whole = true;
+  size_t emitted = 0;
+  ForEachShare(plan, align_bytes, [&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) {
+    start[npu + 2]++;
+    whole = whole && ti == emitted && c0 == 0 && c1 == plan.Columns(plan.transfers[ti]) &&
+            (only_npu < 0 || npu == only_npu);
+    only_npu = npu;
+    ++emitted;
+  });
+  if (whole && emitted == plan.transfers.size()) {
+    if (emitted > 0) split(only_npu, WholeTransfers{&plan, only_npu}, emitted);
+  } else {
+    // Placed by NPU (a counting sort) in the thread's scratch: npu's are
+    // [start[npu], start[npu + 1]).
+    thread_local std::vector<Piece> shares;
+    for (int i = 2; i <= n + 1; ++i) start[i] += start[i - 1];
+    shares.resize(start[n + 1]);
+    ForEachShare(plan, align_bytes, [&](uint32_t ti, int32_t npu, int64_t c0, int64_t c1) {
+      shares[start[npu + 1]++] = {ti, npu, c0, c1};
+    });
+    for (int npu = 0; npu < n; ++npu)
+      if (start[npu + 1] > start[npu]) split(npu, shares.data() + start[npu], start[npu + 1] - start[npu]);
   }
   // The bytes by kind, as Finish counts them over the pieces: the pieces
   // cover each transfer's columns once, and every count is linear in them.

@@ -172,8 +172,6 @@ void PullMoves(Plan& plan) {
   plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
 }
 
-}  // namespace
-
 // The shares of a plan whose every transfer is one whole share on one NPU
 // (a MoE share's plans: every row on its owner): share i is transfer i.
 struct WholeTransfers {
@@ -266,6 +264,8 @@ void BalanceLanes(const Plan& plan, int npu, int lanes, int64_t align, int64_t m
   *used_out = used;
   *made_out = made;
 }
+
+}  // namespace
 
 PlanPartition::PlanPartition(Plan* plan, int lanes, Planner planner, int64_t align, int64_t min_lane_bytes,
                              int64_t host_chunk_bytes)

@@ -1318,6 +1318,12 @@ void CheckMoeBackwardPlans(int64_t* plans) {
   CHECK(!st.ok && st.message.find("strata.moe.combine (backward)") != std::string::npos &&
             st.message.find("mixes two dispatches") != std::string::npos,
         "moe_combine_backward mismatched layout: " << st.message);
+  // A slot claiming a dropped pair: every kept pair points back, but the
+  // counts differ.
+  const int32_t kept_one[2] = {0, -1}, claims_two[2] = {0, 1};
+  const Status counts = BuildMoeBackwardPlans(p, {kept_one}, {claims_two}, {}, &bad);
+  CHECK(!counts.ok && counts.message.find("1 pairs have a slot but 2 slots have a source") != std::string::npos,
+        "moe_combine_backward slot without its pair: " << counts.message);
 }
 
 float Bf16Value(const std::vector<uint8_t>& bytes, int64_t i) {

@@ -765,34 +765,18 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
 }
 
 namespace {
-// Every kept pair's slot names it as its source, and every filled slot's
-// source pair points back at it. Pointers as published by the backward op.
-std::string CrossCheckLayout(const Slot& s, int n, int64_t pairs, int64_t slots_per_rank) {
+// MoeLayoutDisagreement over the fields as published by the backward op.
+std::string CrossCheckLayout(const Slot& s, const MoeOpShape& p) {
   enum { kPairSlot = 3, kSlotSource = 4 };  // MoeCombineBackwardAsync's
-  int64_t kept = 0, filled = 0;
-  for (int r = 0; r < n; ++r) {
-    const int32_t* pair_slot = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
-    const int32_t* slot_source = static_cast<const int32_t*>(s.ptrs[r][kSlotSource]);
-    for (int64_t i = 0; i < pairs; ++i) {
-      const int32_t slot = pair_slot[i];
-      if (slot < 0) continue;
-      kept++;
-      const int32_t* owner = static_cast<const int32_t*>(s.ptrs[slot / slots_per_rank][kSlotSource]);
-      if (owner[slot % slots_per_rank] == r * pairs + i) continue;
-      std::ostringstream os;
-      os << kCombineBwdName << " (call site " << s.site_id << ", group " << s.group_id
-         << "): DispatchHandle fields disagree: rank " << r << " pair_slot[" << i << "] = " << slot
-         << " but that slot's slot_source is " << owner[slot % slots_per_rank]
-         << "; the handle was modified or mixes two dispatches";
-      return os.str();
-    }
-    for (int64_t j = 0; j < slots_per_rank; ++j) filled += slot_source[j] >= 0;
+  std::vector<const int32_t*> pair_slot(s.n), slot_source(s.n);
+  for (int r = 0; r < s.n; ++r) {
+    pair_slot[r] = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
+    slot_source[r] = static_cast<const int32_t*>(s.ptrs[r][kSlotSource]);
   }
-  if (kept == filled) return "";
+  const std::string why = MoeLayoutDisagreement(p, pair_slot, slot_source);
+  if (why.empty()) return why;
   std::ostringstream os;
-  os << kCombineBwdName << " (call site " << s.site_id << ", group " << s.group_id
-     << "): DispatchHandle fields disagree: " << kept << " pairs have a slot but " << filled
-     << " slots have a source; the handle was modified or mixes two dispatches";
+  os << kCombineBwdName << " (call site " << s.site_id << ", group " << s.group_id << "): " << why;
   return os.str();
 }
 }  // namespace
@@ -853,13 +837,10 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   Launch(kCombineBwdName, p, c, std::move(me), std::move(ptrs),  // &p: see dispatch
          [&p](Slot& s, std::shared_ptr<Job>* job) -> Status {
     const int n = p.group_size;
-    const int64_t pairs = p.tokens * p.topk;
-    const int64_t slots_per_rank = p.local_experts() * p.capacity;
     std::vector<BackwardRank*> ranks = Ranks<BackwardRank>(s);
     if (AgreeOnBad(ranks)) return Status::Ok();
-    // In range is not enough: the two fields must describe one layout, or a
-    // row's gradient would go to a token that never sent it.
-    if (std::string bad = CrossCheckLayout(s, n, pairs, slots_per_rank); !bad.empty()) {
+    // In range is not enough: the two fields must describe one layout.
+    if (std::string bad = CrossCheckLayout(s, p); !bad.empty()) {
       for (BackwardRank* r : ranks) r->error = bad;
       return Status::Ok();
     }

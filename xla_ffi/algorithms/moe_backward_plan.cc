@@ -354,11 +354,39 @@ void MoeBackwardJoin::Join(int o) {
                 share.scale.weights.size() * sizeof(double));
 }
 
+std::string MoeLayoutDisagreement(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
+                                  const std::vector<const int32_t*>& slot_source) {
+  const int n = p.group_size;
+  const int64_t pairs = p.tokens * p.topk, per_rank = p.local_experts() * p.capacity;
+  const char* const kWhy = "; the handle was modified or mixes two dispatches";
+  int64_t kept = 0, filled = 0;
+  for (int r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int32_t slot = pair_slot[r][i];
+      if (slot < 0) continue;
+      kept++;
+      const int32_t source = slot < n * per_rank ? slot_source[slot / per_rank][slot % per_rank] : -1;
+      if (source == r * pairs + i) continue;
+      std::ostringstream os;
+      os << "DispatchHandle fields disagree: rank " << r << " pair_slot[" << i << "] = " << slot;
+      if (slot >= n * per_rank) os << ", outside the group's " << n * per_rank << " slots";
+      else os << " but that slot's slot_source is " << source;
+      os << kWhy;
+      return os.str();
+    }
+    for (int64_t j = 0; j < per_rank; ++j) filled += slot_source[r][j] >= 0;
+  }
+  if (kept == filled) return "";
+  std::ostringstream os;
+  os << "DispatchHandle fields disagree: " << kept << " pairs have a slot but " << filled << " slots have a source"
+     << kWhy;
+  return os.str();
+}
+
 Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
                              const std::vector<const int32_t*>& slot_source,
                              const std::vector<const void*>& weights, MoeBackwardPlans* plans) {
   const int n = p.group_size;
-  const int64_t pairs = p.tokens * p.topk, per_rank = p.local_experts() * p.capacity;
   plans->shares.resize(n);
   std::vector<const MoeBackwardShare*> shares;
   for (int o = 0; o < n; ++o) {
@@ -367,18 +395,8 @@ Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_
     if (!st.ok) return st;
     shares.push_back(&share);
   }
-  // The two fields must describe one layout (the runtime checks the same
-  // at its rendezvous before it runs a plan).
-  for (int o = 0; o < n; ++o)
-    for (int64_t row = 0; row < per_rank; ++row) {
-      const int32_t src = slot_source[o][row];
-      if (src < 0 || pair_slot[src / pairs][src % pairs] == o * per_rank + row) continue;
-      std::ostringstream os;
-      os << kName << ": owner " << o << "'s row " << row << " names rank " << src / pairs << "'s pair "
-         << src % pairs << " as its source, but that pair's slot is " << pair_slot[src / pairs][src % pairs]
-         << ": the handle was modified or mixes two dispatches";
-      return Status::Error(os.str());
-    }
+  if (const std::string why = MoeLayoutDisagreement(p, pair_slot, slot_source); !why.empty())
+    return Status::Error(std::string(kName) + ": " + why);
   for (MoeBackwardShare& share : plans->shares) FillMoeBackwardWeights(p, weights, &share);
   MoeBackwardJoin join(p, shares, plans);
   join.Layout();

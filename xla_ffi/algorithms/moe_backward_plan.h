@@ -119,6 +119,18 @@ class MoeBackwardJoin {
   std::vector<uint32_t> transfer_at_[3], ref_at_[3];
 };
 
+// Whether one dispatch's two fields describe one layout: every kept pair's
+// slot names that pair as its source, and as many slots have a source as
+// pairs have a slot (so every filled slot's source points back at it; in
+// range is not enough: a row's gradient would go to a token that never sent
+// it). "" if they do, else the first disagreement ("DispatchHandle fields
+// disagree: ..."), for the caller to prefix with the op. The runtime checks
+// this at its rendezvous before any plan runs; BuildMoeBackwardPlans too.
+// pair_slot[r], slot_source[o] as below; a slot outside the group's is
+// reported, not followed.
+std::string MoeLayoutDisagreement(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
+                                  const std::vector<const int32_t*>& slot_source);
+
 // pair_slot[r]: rank r's [tokens * topk] global slots (-1: dropped);
 // slot_source[o]: owner o's [local_experts * capacity] source pairs
 // (r * tokens * topk + pair, or -1: empty), the two fields of one dispatch

@@ -927,10 +927,6 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
   return phase;
 }
 
-void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool direct) {
-  for (uint64_t c = 0; c + 1 < plan.chunk_starts.size(); ++c) CreditPlanChunk(plan, c, devices, direct);
-}
-
 void CreditLanes(const LaneCredit& credit, const std::vector<int32_t>& devices, bool direct) {
   thread_local std::vector<Stats::LaneBytes> lane_bytes;
   lane_bytes.clear();

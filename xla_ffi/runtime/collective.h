@@ -163,7 +163,7 @@ struct FusedPlan {
 // through their host chunks in order (MoE combine's shares: each rank's sums,
 // built in its handler before it joined, fused with its own partials). The
 // plans' lanes and bytes are credited as PlanPhase's; the producers' are not
-// (the caller credits the plan they are shares of: CreditPlan).
+// (the caller credits the plan they are shares of: CreditLanes).
 Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std::vector<int32_t> devices,
                    bool direct);
 
@@ -186,16 +186,15 @@ class TransferRunner {
 // runs its owners' shares a few tokens at a time across the owners, so a
 // token's carried row comes from memory once for all its products, as a
 // token loop reads it, where lane by lane each owner read it again. Nothing is
-// credited: the caller credits the plans as partitioned (CreditPlan), the
+// credited: the caller credits the plans as partitioned (CreditLanes), the
 // NPUs' split of the same transfers.
 Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
                        std::function<void(uint64_t task, const TransferRunner& runner)> order);
 
-// Credits a partitioned plan's lanes and bytes as running it would, without
-// running it (a producer whose work its readers did, fused).
-void CreditPlan(const Plan& plan, const std::vector<int32_t>& devices, bool direct);
-// The same from a plan's lane credit (PartitionCredit): what CreditPlan of
-// the plan partitioned the same way credits.
+// Credits a plan's lanes and bytes as running it would, without running it
+// (a plan the host runs in its own order, or a producer fused into its
+// readers), from its lane credit (PartitionCredit): what running the plan
+// partitioned the same way credits.
 void CreditLanes(const LaneCredit& credit, const std::vector<int32_t>& devices, bool direct);
 
 // Adds to (*rank_bytes)[r] the bytes per row rank r reads + writes in

@@ -172,6 +172,47 @@ void PullMoves(Plan& plan) {
   plan.move_starts.push_back(static_cast<uint32_t>(plan.moves.size()));
 }
 
+// Adds `cols` columns of transfer t to `bytes` by kind (ChunkBytes): what
+// crosses to other ranks, what is copied or summed within one, what is
+// written.
+void AddBytesByKind(const Plan& plan, const Transfer& t, int64_t cols, ChunkBytes* bytes) {
+  bytes->written += plan.OutBytes(cols) * t.dst_count;
+  if (t.src_count == 0) return;
+  if (plan.dot) {
+    bytes->carried += plan.OutBytes(cols) * t.dst_count;  // the value goes to its rank
+  } else if (plan.local_sums) {
+    bytes->local += cols * t.src_count;
+  } else if (plan.weighted) {
+    bytes->carried += cols * t.src_count;
+  } else {
+    bytes->carried += cols * (t.dst_count - t.local_copies);
+    bytes->local += cols * t.local_copies;
+  }
+}
+
+// The naive planner's split of one NPU's shares: share i whole to lane
+// i % lanes (the per-peer loop). kWrite false: only the tasks' npu, lane and
+// bytes, as BalanceLanes'. The pieces go out of order, so `mine` must not
+// be `pieces`' storage.
+template <bool kWrite, typename Shares>
+void NaiveLanes(const Plan& plan, int npu, int lanes, const Shares& mine, size_t count, Piece* pieces,
+                LaneTask* tasks, size_t* used_out, size_t* made_out) {
+  size_t used = 0, made = 0;
+  for (int l = 0; l < lanes; ++l) {
+    LaneTask task{npu, l, static_cast<uint32_t>(used), 0, 0};
+    for (size_t i = static_cast<size_t>(l); i < count; i += static_cast<size_t>(lanes)) {
+      const Piece piece = mine[i];
+      task.bytes += plan.PieceBytes(plan.transfers[piece.transfer], piece.col_end - piece.col_begin);
+      if (kWrite) pieces[used] = piece;
+      ++used;
+    }
+    task.piece_end = static_cast<uint32_t>(used);
+    if (task.piece_end > task.piece_begin) tasks[made++] = task;
+  }
+  *used_out = used;
+  *made_out = made;
+}
+
 // The shares of a plan whose every transfer is one whole share on one NPU
 // (a MoE share's plans: every row on its owner): share i is transfer i.
 struct WholeTransfers {
@@ -330,18 +371,9 @@ void PlanPartition::Npu(int npu) {
   // Piece indices in tasks are local to the NPU until Finish places them.
   size_t used = 0, made = 0;
   if (planner_ == Planner::kNaive) {
-    // Piece i to lane i % lanes, unsplit: the per-peer loop. Out of order,
-    // so from a copy of the shares.
+    // Out of order, so from a copy of the shares.
     const std::vector<Piece> mine(shares, shares + count);
-    for (int l = 0; l < lanes; ++l) {
-      LaneTask task{npu, l, static_cast<uint32_t>(used), 0, 0};
-      for (size_t i = static_cast<size_t>(l); i < count; i += static_cast<size_t>(lanes)) {
-        task.bytes += plan.PieceBytes(plan.transfers[mine[i].transfer], mine[i].col_end - mine[i].col_begin);
-        pieces[used++] = mine[i];
-      }
-      task.piece_end = static_cast<uint32_t>(used);
-      if (task.piece_end > task.piece_begin) tasks[made++] = task;
-    }
+    NaiveLanes<true>(plan, npu, lanes, mine.data(), count, pieces, tasks, &used, &made);
   } else {
     Balance(npu, shares, count, pieces, tasks, &used, &made);
   }
@@ -393,20 +425,7 @@ void PlanPartition::Finish() {
     for (uint32_t i = plan.chunk_starts[c]; i < plan.chunk_starts[c + 1]; ++i) {
       for (uint32_t pi = plan.tasks[i].piece_begin; pi < plan.tasks[i].piece_end; ++pi) {
         const Piece& piece = plan.pieces[pi];
-        const Transfer& t = plan.transfers[piece.transfer];
-        const int64_t cols = piece.col_end - piece.col_begin;
-        bytes.written += plan.OutBytes(cols) * t.dst_count;
-        if (t.src_count == 0) continue;
-        if (plan.dot) {
-          bytes.carried += plan.OutBytes(cols) * t.dst_count;  // the value goes to its rank
-        } else if (plan.local_sums) {
-          bytes.local += cols * t.src_count;
-        } else if (plan.weighted) {
-          bytes.carried += cols * t.src_count;
-        } else {
-          bytes.carried += cols * (t.dst_count - t.local_copies);
-          bytes.local += cols * t.local_copies;
-        }
+        AddBytesByKind(plan, plan.transfers[piece.transfer], piece.col_end - piece.col_begin, &bytes);
       }
     }
   }
@@ -480,19 +499,12 @@ void PartitionCredit(const Plan& plan, int lanes, Planner planner, LaneCredit* c
     tasks.resize(first + static_cast<size_t>(lanes));
     size_t used = 0, made = 0;
     if (planner == Planner::kNaive) {
-      for (int l = 0; l < lanes && static_cast<size_t>(l) < count; ++l) {
-        LaneTask task{npu, l, 0, 0, 0};
-        for (size_t i = static_cast<size_t>(l); i < count; i += static_cast<size_t>(lanes)) {
-          const Piece piece = mine[i];
-          task.bytes += plan.PieceBytes(plan.transfers[piece.transfer], piece.col_end - piece.col_begin);
-        }
-        tasks[first + made++] = task;
-      }
+      NaiveLanes<false>(plan, npu, lanes, mine, count, nullptr, tasks.data() + first, &used, &made);
     } else {
       BalanceLanes<false>(plan, npu, lanes, align_bytes, min_lane_bytes, mine, count, nullptr, tasks.data() + first,
                           &used, &made);
-      for (size_t i = first; i < first + made; ++i) tasks[i].piece_begin = tasks[i].piece_end = 0;
     }
+    for (size_t i = first; i < first + made; ++i) tasks[i].piece_begin = tasks[i].piece_end = 0;
     tasks.resize(first + made);
   };
   // Counted by NPU; when every transfer is one whole share on one NPU (a
@@ -526,22 +538,9 @@ void PartitionCredit(const Plan& plan, int lanes, Planner planner, LaneCredit* c
   }
   // The bytes by kind, as Finish counts them over the pieces: the pieces
   // cover each transfer's columns once, and every count is linear in them.
-  ChunkBytes& bytes = credit->bytes;
   for (const Transfer& t : plan.transfers) {
     const int64_t cols = plan.Columns(t);
-    if (t.dst_count == 0 || cols <= 0) continue;
-    bytes.written += plan.OutBytes(cols) * t.dst_count;
-    if (t.src_count == 0) continue;
-    if (plan.dot) {
-      bytes.carried += plan.OutBytes(cols) * t.dst_count;
-    } else if (plan.local_sums) {
-      bytes.local += cols * t.src_count;
-    } else if (plan.weighted) {
-      bytes.carried += cols * t.src_count;
-    } else {
-      bytes.carried += cols * (t.dst_count - t.local_copies);
-      bytes.local += cols * t.local_copies;
-    }
+    if (t.dst_count > 0 && cols > 0) AddBytesByKind(plan, t, cols, &credit->bytes);
   }
 }
 

@@ -845,6 +845,34 @@ void CheckMoeDispatchPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
     const int64_t busiest = *std::max_element(rank_bytes.begin(), rank_bytes.end());
     CHECK(builder.BusiestRankBytes() == busiest,
           name.str() << ": busiest rank bytes " << builder.BusiestRankBytes() << ", the plan's " << busiest);
+    // Strata mode runs and credits the owners' plans as they are: together
+    // they credit the lanes as the joined plan partitioned does, owner o's
+    // on NPU o, lane for lane and byte for byte.
+    for (Planner planner : {Planner::kBalanced, Planner::kNaive}) {
+      LaneCredit joined, owner;
+      PartitionCredit(again, lanes, planner, &joined);
+      std::vector<std::tuple<int32_t, int32_t, int64_t>> want, got;
+      for (const LaneTask& t : joined.tasks) want.emplace_back(t.npu, t.lane, t.bytes);
+      ChunkBytes sum;
+      int64_t transfers = 0;
+      for (int o = 0; o < n; ++o) {
+        const Plan& mine = builder.OwnerPlan(o);
+        transfers += static_cast<int64_t>(mine.transfers.size());
+        CHECK(mine.num_ranks == n && mine.in_blocks == tokens && mine.out_blocks == per_rank &&
+                  mine.block_bytes == p.row_bytes(),
+              name.str() << ": owner " << o << "'s plan has another shape than the group's");
+        PartitionCredit(mine, lanes, planner, &owner);
+        for (const LaneTask& t : owner.tasks) {
+          CHECK(t.npu == o, name.str() << ": owner " << o << "'s plan credits NPU " << t.npu);
+          got.emplace_back(t.npu, t.lane, t.bytes);
+        }
+        sum.carried += owner.bytes.carried, sum.local += owner.bytes.local, sum.written += owner.bytes.written;
+      }
+      CHECK(transfers == static_cast<int64_t>(again.transfers.size()) && got == want &&
+                sum.carried == joined.bytes.carried && sum.local == joined.bytes.local &&
+                sum.written == joined.bytes.written,
+            name.str() << ": the owners' plans credit " << got.size() << " lanes, the joined plan " << want.size());
+    }
   }
   // Partitioned as the runtime does it: the chunks' carried/local bytes are the plan's.
   Partition(plan, lanes, Planner::kBalanced);

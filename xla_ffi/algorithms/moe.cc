@@ -559,36 +559,78 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       }
       builder->Sources(static_cast<int>(rank), me.pair_slot);
     };
-    // Then the rows move: the plan of the slots just placed (each owner's
-    // transfers built in parallel, phase 2), run as any plan is (either
-    // mode, the NPUs' lanes, stats: each (token, rank) pair crosses once,
-    // the fan-out to the rank's other rows is local).
-    place.then = [shape = static_cast<const MoeOpShape&>(p), ranks, builder, slot = &s](Job* more) {
-      Phase owners;
-      owners.count = ranks.size();
-      owners.run = [builder](uint64_t owner) { builder->Owner(static_cast<int32_t>(owner)); };
-      owners.then = [shape, ranks, builder, slot](Job* rows_job) {
-        std::vector<const int32_t*> slots(ranks.size());
-        for (size_t r = 0; r < ranks.size(); ++r) slots[r] = ranks[r]->pair_slot;
-        Plan plan;
-        Status st = builder->Finish(slots, &plan);  // its errors name the op
-        std::shared_ptr<Job> rows;
-        if (st.ok) {
-          OpParams run = MoeDispatchRunParams(shape);
-          run.movement_lanes = MovesOnSdma(run.rows * builder->BusiestRankBytes(), run.engines) ? 1 : 0;
-          st = PlanJob(*slot, std::move(plan), run, &rows);
-          if (!st.ok) st = Status::Error(std::string(kDispatchName) + ": " + st.message);
-        }
-        if (!st.ok) {
-          for (DispatchRank* r : ranks) r->error = st.message;
-          return;
-        }
-        *rows_job = std::move(*rows);
-      };
-      more->phases.push_back(std::move(owners));
-    };
     std::vector<Phase> phases;
     phases.push_back(std::move(place));
+    if (ranks[0]->rows.direct()) {
+      // Strata mode: each owner's plan runs as it is built (phase 2, a task
+      // per owner: its transfers write only its rows), whole transfers in
+      // the plan's order, and is credited as the NPU's lanes would run it,
+      // on the lanes the busiest rank's bytes chose once every rank's pairs
+      // were placed. The joined plan's partition was three serial steps
+      // between phases and a piece walk per row; a phase of its own for the
+      // credit cost a tenth of the op.
+      auto on_sdma = std::make_shared<bool>(false);
+      phases.back().then = [shape = static_cast<const MoeOpShape&>(p), builder, on_sdma](Job*) {
+        const OpParams run = MoeDispatchRunParams(shape);
+        *on_sdma = MovesOnSdma(run.rows * builder->BusiestRankBytes(), run.engines);
+      };
+      PlanGroup group;
+      for (int r = 0; r < n; ++r) {
+        group.plans.push_back({std::shared_ptr<const Plan>(builder, &builder->OwnerPlan(r)), nullptr, nullptr});
+        group.buffers.in.push_back(s.ptrs[r][0]);
+        group.buffers.out.push_back(s.ptrs[r][1]);
+      }
+      Phase owners = OrderedPlanPhase(
+          {std::move(group)}, n,
+          [shape = static_cast<const MoeOpShape&>(p), builder, on_sdma, devices = s.devices](
+              uint64_t o, const TransferRunner& runner) {
+            const int32_t owner = static_cast<int32_t>(o);
+            if (!builder->Owner(owner)) return;  // bad slots: CheckSlots says so next
+            const Plan& plan = builder->OwnerPlan(owner);
+            for (uint32_t t = 0; t < plan.transfers.size(); ++t) runner.Run(0, o, t);
+            thread_local LaneCredit lanes;  // the thread's, reused
+            PartitionCredit(plan, *on_sdma ? shape.engines : shape.cores, shape.planner, &lanes);
+            lanes.on_sdma = *on_sdma;
+            CreditLanes(lanes, devices, /*direct=*/true);
+          });
+      owners.then = [ranks, builder](Job*) {
+        std::vector<const int32_t*> slots(ranks.size());
+        for (size_t r = 0; r < ranks.size(); ++r) slots[r] = ranks[r]->pair_slot;
+        const Status st = builder->CheckSlots(slots);  // its errors name the op
+        if (!st.ok)
+          for (DispatchRank* r : ranks) r->error = st.message;
+      };
+      phases.push_back(std::move(owners));
+      Schedule(std::move(phases), *ranks[0], n, job);
+      return Status::Ok();
+    }
+    // buffer_centric: the plan of the slots just placed (each owner's
+    // transfers built in parallel, phase 2), joined and run as any plan is
+    // (staged in rounds of the comm buffer, the NPUs' lanes, stats: each
+    // (token, rank) pair crosses once, the fan-out to the rank's other rows
+    // is local).
+    Phase owners;
+    owners.count = n;
+    owners.run = [builder](uint64_t owner) { builder->Owner(static_cast<int32_t>(owner)); };
+    owners.then = [shape = static_cast<const MoeOpShape&>(p), ranks, builder, slot = &s](Job* rows_job) {
+      std::vector<const int32_t*> slots(ranks.size());
+      for (size_t r = 0; r < ranks.size(); ++r) slots[r] = ranks[r]->pair_slot;
+      Plan plan;
+      Status st = builder->Finish(slots, &plan);  // its errors name the op
+      std::shared_ptr<Job> rows;
+      if (st.ok) {
+        OpParams run = MoeDispatchRunParams(shape);
+        run.movement_lanes = MovesOnSdma(run.rows * builder->BusiestRankBytes(), run.engines) ? 1 : 0;
+        st = PlanJob(*slot, std::move(plan), run, &rows);
+        if (!st.ok) st = Status::Error(std::string(kDispatchName) + ": " + st.message);
+      }
+      if (!st.ok) {
+        for (DispatchRank* r : ranks) r->error = st.message;
+        return;
+      }
+      *rows_job = std::move(*rows);
+    };
+    phases.push_back(std::move(owners));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

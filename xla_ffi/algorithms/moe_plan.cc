@@ -1,6 +1,7 @@
 #include "moe_plan.h"
 
 #include <algorithm>
+#include <numeric>
 #include <sstream>
 #include <string>
 
@@ -35,8 +36,15 @@ MoeDispatchPlanBuilder::MoeDispatchPlanBuilder(const MoeOpShape& p)
       per_rank_(p.local_experts() * p.capacity),
       slots_(p.group_size * per_rank_),
       owners_(p.group_size),
-      owner_rank_bytes_(p.group_size),
+      leads_(p.group_size, 0),
+      kept_(p.group_size, 0),
+      filled_(p.group_size, 0),
       bad_(p.group_size, 0) {
+  // Each owner's plan has the group plan's shape (strata mode runs them as
+  // they are, a view of every rank's buffers each).
+  Plan header;
+  Header(&header);
+  for (Plan& owner : owners_) owner = header;
   if (slots_ > INT32_MAX || p.group_size * p.tokens > INT32_MAX) return;  // Finish says so
   src_rank_.assign(slots_, -1);
   src_token_.resize(slots_);
@@ -55,18 +63,22 @@ void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
   thread_local std::vector<Lead> thread_leads;  // the thread's scratch
   if (thread_leads.size() < static_cast<size_t>(k_top)) thread_leads.resize(k_top);
   Lead* const leads = thread_leads.data();
+  int64_t carried = 0, kept = 0;  // the rank's leads (rows it sends) and kept pairs
   for (int64_t token = 0, first = 0; first < pairs; ++token, first += k_top) {
     int64_t num_leads = 0;
     for (int64_t i = first; i < first + k_top; ++i) {
       const int32_t slot = pair_slot[i];
       if (slot == -1) continue;
-      // A slot is claimed atomically: ranks fill disjoint slots unless the
-      // slots are bad, and then Finish reports them as the serial walk would.
-      if (slot < -1 || slot >= slots_ || __atomic_exchange_n(&src_rank_[slot], r, __ATOMIC_RELAXED) >= 0) {
+      if (slot < -1 || slot >= slots_) {
         bad_[r] = 1;
         return;
       }
+      // Plain stores: ranks fill disjoint slots unless the slots are bad. A
+      // slot two pairs fill leaves fewer filled slots than kept pairs, which
+      // CheckSlots sees (an atomic claim per pair was four fifths of this).
+      src_rank_[slot] = r;
       src_token_[slot] = static_cast<int32_t>(token);
+      ++kept;
       const int32_t owner = owner_of(slot);
       int32_t led_by = -1;
       for (int64_t j = 0; j < num_leads && led_by < 0; ++j)
@@ -74,27 +86,50 @@ void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
       if (led_by < 0) leads[num_leads++] = {owner, slot};
       lead_[slot] = led_by;
     }
+    carried += num_leads;
   }
+  leads_[r] = carried;
+  kept_[r] = kept;
 }
 
-void MoeDispatchPlanBuilder::Owner(int32_t owner) {
-  if (src_rank_.empty() || std::any_of(bad_.begin(), bad_.end(), [](uint8_t b) { return b != 0; })) return;
+void MoeDispatchPlanBuilder::Header(Plan* plan) const {
+  plan->num_ranks = p_.group_size;
+  plan->in_blocks = p_.tokens;
+  plan->out_blocks = per_rank_;
+  plan->block_bytes = p_.row_bytes();
+  plan->dtype = p_.dtype;
+  plan->op = ReduceOp::kNone;
+}
+
+bool MoeDispatchPlanBuilder::Owner(int32_t owner) {
+  Plan& plan = owners_[owner];
+  plan.transfers.clear();
+  plan.refs.clear();
+  if (src_rank_.empty() || std::any_of(bad_.begin(), bad_.end(), [](uint8_t b) { return b != 0; })) return false;
   const int64_t base = owner * per_rank_;
   // Followers in ascending slots: pushed to the front of their lead's list
   // from the highest slot down (a token's lead and followers share an owner).
+  // A follower whose lead is not a lead of the same token here comes from a
+  // slot two pairs filled: nothing is built (no list can then run in a
+  // circle), and CheckSlots names the pair.
+  int64_t filled = 0;
   for (int64_t slot = base + per_rank_ - 1; slot >= base; --slot) {
+    const int32_t from_rank = src_rank_[slot];
+    if (from_rank < 0) continue;
+    ++filled;
     const int32_t l = lead_[slot];
-    if (src_rank_[slot] < 0 || l < 0) continue;
+    if (l < 0) continue;
+    if (l < base || l >= base + per_rank_ || src_rank_[l] != from_rank || src_token_[l] != src_token_[slot] ||
+        lead_[l] >= 0) {
+      filled_[owner] = -1;
+      return false;
+    }
     next_[slot] = next_[l];
     next_[l] = static_cast<int32_t>(slot);
   }
-  Plan& plan = owners_[owner];
-  plan.block_bytes = p_.row_bytes();  // for its Columns
-  plan.transfers.clear();
-  plan.refs.clear();
+  filled_[owner] = filled;
   plan.transfers.reserve(per_rank_);
   plan.refs.reserve(2 * per_rank_);
-  std::vector<BlockRef> dsts;
   // The last transfer can take the next row: it stays on one rank's rows.
   bool open_zeros = false, open_run = false;
   for (int32_t row = 0; row < per_rank_; ++row) {
@@ -127,34 +162,51 @@ void MoeDispatchPlanBuilder::Owner(int32_t owner) {
         continue;
       }
     }
-    dsts.clear();
-    dsts.push_back({owner, row});
-    for (int32_t f = next_[slot]; f >= 0; f = next_[f]) dsts.push_back({owner, static_cast<int32_t>(f - base)});
-    plan.Add(&from, 1, dsts.data(), static_cast<uint32_t>(dsts.size()));
-    open_run = dsts.size() == 1;
+    // The refs written in place: through Plan::Add's arrays each ref was
+    // stored in halves and read back whole, a stall per destination.
+    Transfer t;
+    t.src_begin = static_cast<uint32_t>(plan.refs.size());
+    t.src_count = 1;
+    t.dst_begin = t.src_begin + 1;
+    plan.refs.push_back(from);
+    plan.refs.push_back({owner, row});
+    for (int32_t f = next_[slot]; f >= 0; f = next_[f]) plan.refs.push_back({owner, static_cast<int32_t>(f - base)});
+    t.dst_count = static_cast<uint32_t>(plan.refs.size()) - t.dst_begin;
+    t.local_copies = t.dst_count - 1;  // every destination is on this owner
+    plan.transfers.push_back(t);
+    open_run = t.dst_count == 1;
   }
-  owner_rank_bytes_[owner].assign(p_.group_size, 0);
-  AddRankBytes(plan, &owner_rank_bytes_[owner]);
+  return true;
 }
 
-Status MoeDispatchPlanBuilder::Finish(const std::vector<const int32_t*>& pair_slot, Plan* plan) {
+int64_t MoeDispatchPlanBuilder::BusiestRankBytes() const {
+  // Every rank writes each of its rows once (a copy or zeros) and reads, as
+  // a source, one row per lead (a span of leads reads as many rows).
+  const int64_t most = leads_.empty() ? 0 : *std::max_element(leads_.begin(), leads_.end());
+  return (per_rank_ + most) * p_.row_bytes();
+}
+
+Status MoeDispatchPlanBuilder::CheckSlots(const std::vector<const int32_t*>& pair_slot) const {
   const int n = p_.group_size;
   if (static_cast<int64_t>(pair_slot.size()) != n)
     return Status::Error(std::string(kName) + ": " + std::to_string(pair_slot.size()) +
                          " ranks' slots for a group of " + std::to_string(n));
   if (src_rank_.empty())
     return Status::Error(std::string(kName) + ": more than 2^31 slots or tokens per group is not supported");
-  if (std::any_of(bad_.begin(), bad_.end(), [](uint8_t b) { return b != 0; })) {
+  const int64_t kept = std::accumulate(kept_.begin(), kept_.end(), int64_t{0});
+  const int64_t filled = std::accumulate(filled_.begin(), filled_.end(), int64_t{0});
+  const bool conflict = std::any_of(filled_.begin(), filled_.end(), [](int64_t f) { return f < 0; });
+  if (std::any_of(bad_.begin(), bad_.end(), [](uint8_t b) { return b != 0; }) || conflict || filled != kept) {
     // The first bad pair in (rank, token, k) order, as one walk finds it.
     const int64_t k_top = p_.topk, pairs = p_.tokens * k_top;
-    std::vector<uint8_t> filled(slots_, 0);
+    std::vector<uint8_t> seen(slots_, 0);
     for (int r = 0; r < n; ++r)
       for (int64_t i = 0; i < pairs; ++i) {
         const int32_t slot = pair_slot[r][i];
         if (slot == -1) continue;
         const bool outside = slot < -1 || slot >= slots_;
-        if (!outside && !filled[slot]) {
-          filled[slot] = 1;
+        if (!outside && !seen[slot]) {
+          seen[slot] = 1;
           continue;
         }
         std::ostringstream os;
@@ -164,18 +216,15 @@ Status MoeDispatchPlanBuilder::Finish(const std::vector<const int32_t*>& pair_sl
       }
     return Status::Error(std::string(kName) + ": bad pair slots");  // not reached: Sources saw one
   }
-  plan->num_ranks = n;
-  plan->in_blocks = p_.tokens;
-  plan->out_blocks = per_rank_;
-  plan->block_bytes = p_.row_bytes();
-  plan->dtype = p_.dtype;
-  plan->op = ReduceOp::kNone;
+  return Status::Ok();
+}
+
+Status MoeDispatchPlanBuilder::Finish(const std::vector<const int32_t*>& pair_slot, Plan* plan) {
+  Status st = CheckSlots(pair_slot);
+  if (!st.ok) return st;
+  Header(plan);
   size_t transfers = 0, refs = 0;
   for (const Plan& o : owners_) transfers += o.transfers.size(), refs += o.refs.size();
-  std::vector<int64_t> rank_bytes(n, 0);
-  for (const std::vector<int64_t>& bytes : owner_rank_bytes_)
-    for (size_t r = 0; r < bytes.size(); ++r) rank_bytes[r] += bytes[r];
-  busiest_ = rank_bytes.empty() ? 0 : *std::max_element(rank_bytes.begin(), rank_bytes.end());
   plan->transfers.clear();
   plan->refs.clear();
   plan->transfers.reserve(transfers);

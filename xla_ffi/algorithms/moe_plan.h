@@ -52,17 +52,24 @@ Status BuildMoeDispatchPlan(const MoeOpShape& p, const std::vector<const int32_t
 // they are final), then Owner(o) for every rank (writes only rank o's
 // rows' transfers), then Finish, which reports bad slots as the serial walk
 // does and joins the owners' transfers in owner order (the same plan).
+// Strata mode runs the owners' plans as they are instead (OwnerPlan, each
+// the group's plan's transfers writing rank o's rows, refs its own, the
+// group plan's shape): CheckSlots is Finish's report without the join.
 class MoeDispatchPlanBuilder {
  public:
   explicit MoeDispatchPlanBuilder(const MoeOpShape& p);
   void Sources(int r, const int32_t* pair_slot);
-  void Owner(int32_t owner);
+  // False, with rank o's plan empty, when some rank's slots were bad.
+  bool Owner(int32_t owner);
+  const Plan& OwnerPlan(int32_t owner) const { return owners_[owner]; }
+  Status CheckSlots(const std::vector<const int32_t*>& pair_slot) const;
   Status Finish(const std::vector<const int32_t*>& pair_slot, Plan* plan);
-  // After Finish: the busiest rank's bytes read + written by the plan (what
-  // PlanMovesOnSdma walks the plan for), summed from the owners' counts.
-  int64_t BusiestRankBytes() const { return busiest_; }
+  // After every Sources: the busiest rank's bytes read + written by the
+  // plan (what PlanMovesOnSdma walks the plan for), from the ranks' leads.
+  int64_t BusiestRankBytes() const;
 
  private:
+  void Header(Plan* plan) const;  // the group plan's shape, no transfers
   MoeOpShape p_;
   int64_t per_rank_, slots_;
   // Per global slot: the rank and token filling it (rank -1: empty); -1 if
@@ -72,9 +79,10 @@ class MoeDispatchPlanBuilder {
   // from a reciprocal, rows from nested loops.
   std::vector<int32_t> src_rank_, src_token_, lead_, next_;
   std::vector<Plan> owners_;  // each owner's transfers, refs local to it
-  std::vector<std::vector<int64_t>> owner_rank_bytes_;  // per owner: bytes each rank reads + writes
-  int64_t busiest_ = 0;
-  std::vector<uint8_t> bad_;  // per rank: a slot outside the range or taken
+  std::vector<int64_t> leads_;  // per rank: its tokens' leads (rows it sends)
+  std::vector<int64_t> kept_;   // per rank: its kept pairs
+  std::vector<int64_t> filled_;  // per owner: its filled rows (-1: a follower without its lead)
+  std::vector<uint8_t> bad_;  // per rank: a slot outside the range
 };
 
 // The parameters the runtime runs that plan with (PlanJob; the model's

@@ -434,6 +434,9 @@ void RunDot(const Plan& plan, const Transfer& t, int64_t c0, int64_t c1, const V
 }
 
 void RunGeneral(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v);
+// A fan-out copy goes to every destination this many bytes at a time (the
+// source's strip stays in cache between them).
+constexpr int64_t kCopyStripBytes = 64 << 10;
 
 // Moves columns [c0, c1) of one transfer, every row.
 void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, const View& v) {
@@ -448,6 +451,24 @@ void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, con
     const BlockRef& db = plan.refs[one.dst_begin];
     CopyRows(v.out[db.rank] + db.block * v.block_stride + local,
              v.in[sb.rank] + sb.block * v.block_stride + local, len, v);
+    return;
+  }
+  if (one.src_count <= 1 && c1 - c0 <= kCopyStripBytes && !plan.is_reduction()) {
+    // A few blocks to each destination, or zeros (MoE dispatch's rows and
+    // empty rows, ten thousand an op): the source stays in cache from one
+    // destination to the next without RunGeneral's strips and tables.
+    const int64_t len = c1 - c0;
+    const BlockRef* const dst = &plan.refs[one.dst_begin];
+    const char* const src =
+        one.src_count == 0 ? nullptr : v.in[plan.refs[one.src_begin].rank] + plan.refs[one.src_begin].block * v.block_stride + c0;
+    for (uint32_t k = 0; k < one.dst_count; ++k) {
+      char* const to = v.out[dst[k].rank] + dst[k].block * v.block_stride + c0;
+      if (src) {
+        CopyRows(to, src, len, v);
+      } else {
+        for (int64_t row = 0; row < v.rows; ++row) std::memset(to + row * v.out_row_stride, 0, len);
+      }
+    }
     return;
   }
   RunGeneral(plan, transfer, c0, c1, v);
@@ -488,10 +509,9 @@ __attribute__((noinline)) void RunGeneral(const Plan& plan, uint32_t transfer, i
       ReduceInto(plan.dtype, plan.op, dp, t.dst_count, sp, t.src_count,
                  len / DTypeSize(plan.dtype), v.streaming);
     } else {
-      // Copy in 64 KiB strips so a multi-destination source stays in cache.
-      constexpr int64_t kStrip = 64 << 10;
-      for (int64_t off = 0; off < len; off += kStrip) {
-        int64_t n = std::min(kStrip, len - off);
+      // Copy in strips so a multi-destination source stays in cache.
+      for (int64_t off = 0; off < len; off += kCopyStripBytes) {
+        int64_t n = std::min(kCopyStripBytes, len - off);
         for (uint32_t k = 0; k < t.dst_count; ++k)
           CopyBytes(static_cast<char*>(dp[k]) + off, static_cast<const char*>(sp[0]) + off, n, v.streaming);
       }

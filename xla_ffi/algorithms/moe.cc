@@ -587,7 +587,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
             const int32_t owner = static_cast<int32_t>(o);
             if (!builder->Owner(owner)) return;  // bad slots: CheckSlots says so next
             const Plan& plan = builder->OwnerPlan(owner);
-            for (uint32_t t = 0; t < plan.transfers.size(); ++t) runner.Run(0, o, t);
+            runner.RunAll(0, o);
             thread_local LaneCredit lanes;  // the thread's, reused
             PartitionCredit(plan, *on_sdma ? shape.engines : shape.cores, shape.planner, &lanes);
             lanes.on_sdma = *on_sdma;

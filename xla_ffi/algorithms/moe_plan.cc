@@ -46,14 +46,14 @@ MoeDispatchPlanBuilder::MoeDispatchPlanBuilder(const MoeOpShape& p)
   Header(&header);
   for (Plan& owner : owners_) owner = header;
   if (slots_ > INT32_MAX || p.group_size * p.tokens > INT32_MAX) return;  // Finish says so
-  src_rank_.assign(slots_, -1);
-  src_token_.resize(slots_);
+  src_.assign(slots_, -1);
   lead_.assign(slots_, -1);
   next_.assign(slots_, -1);
 }
 
 void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
-  if (src_rank_.empty()) return;
+  if (src_.empty()) return;
+  const int32_t first_token = static_cast<int32_t>(r * p_.tokens);
   const int64_t k_top = p_.topk, pairs = p_.tokens * k_top;
   const OwnerOf owner_of(std::max<int64_t>(per_rank_, 1));
   struct Lead {
@@ -76,8 +76,7 @@ void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
       // Plain stores: ranks fill disjoint slots unless the slots are bad. A
       // slot two pairs fill leaves fewer filled slots than kept pairs, which
       // CheckSlots sees (an atomic claim per pair was four fifths of this).
-      src_rank_[slot] = r;
-      src_token_[slot] = static_cast<int32_t>(token);
+      src_[slot] = first_token + static_cast<int32_t>(token);
       ++kept;
       const int32_t owner = owner_of(slot);
       int32_t led_by = -1;
@@ -105,7 +104,7 @@ bool MoeDispatchPlanBuilder::Owner(int32_t owner) {
   Plan& plan = owners_[owner];
   plan.transfers.clear();
   plan.refs.clear();
-  if (src_rank_.empty() || std::any_of(bad_.begin(), bad_.end(), [](uint8_t b) { return b != 0; })) return false;
+  if (src_.empty() || std::any_of(bad_.begin(), bad_.end(), [](uint8_t b) { return b != 0; })) return false;
   const int64_t base = owner * per_rank_;
   // Followers in ascending slots: pushed to the front of their lead's list
   // from the highest slot down (a token's lead and followers share an owner).
@@ -114,13 +113,12 @@ bool MoeDispatchPlanBuilder::Owner(int32_t owner) {
   // circle), and CheckSlots names the pair.
   int64_t filled = 0;
   for (int64_t slot = base + per_rank_ - 1; slot >= base; --slot) {
-    const int32_t from_rank = src_rank_[slot];
-    if (from_rank < 0) continue;
+    const int32_t from = src_[slot];
+    if (from < 0) continue;
     ++filled;
     const int32_t l = lead_[slot];
     if (l < 0) continue;
-    if (l < base || l >= base + per_rank_ || src_rank_[l] != from_rank || src_token_[l] != src_token_[slot] ||
-        lead_[l] >= 0) {
+    if (l < base || l >= base + per_rank_ || src_[l] != from || lead_[l] >= 0) {
       filled_[owner] = -1;
       return false;
     }
@@ -132,10 +130,11 @@ bool MoeDispatchPlanBuilder::Owner(int32_t owner) {
   plan.refs.reserve(2 * per_rank_);
   // The last transfer can take the next row: it stays on one rank's rows.
   bool open_zeros = false, open_run = false;
+  const OwnerOf rank_of(std::max<int64_t>(p_.tokens, 1));  // a group token's rank
   for (int32_t row = 0; row < per_rank_; ++row) {
     const int64_t slot = base + row;
-    const int32_t from_rank = src_rank_[slot];
-    if (from_rank < 0) {
+    const int32_t token = src_[slot];
+    if (token < 0) {
       if (open_zeros) {
         plan.transfers.back().span++;
         continue;
@@ -151,7 +150,8 @@ bool MoeDispatchPlanBuilder::Owner(int32_t owner) {
       open_run = false;  // a follower: its lead's transfer writes it
       continue;
     }
-    const BlockRef from{from_rank, src_token_[slot]};
+    const int32_t from_rank = rank_of(token);
+    const BlockRef from{from_rank, static_cast<int32_t>(token - from_rank * p_.tokens)};
     if (next_[slot] < 0 && open_run) {
       const Transfer& t = plan.transfers.back();
       const BlockRef& s = plan.refs[t.src_begin];
@@ -191,7 +191,7 @@ Status MoeDispatchPlanBuilder::CheckSlots(const std::vector<const int32_t*>& pai
   if (static_cast<int64_t>(pair_slot.size()) != n)
     return Status::Error(std::string(kName) + ": " + std::to_string(pair_slot.size()) +
                          " ranks' slots for a group of " + std::to_string(n));
-  if (src_rank_.empty())
+  if (src_.empty())
     return Status::Error(std::string(kName) + ": more than 2^31 slots or tokens per group is not supported");
   const int64_t kept = std::accumulate(kept_.begin(), kept_.end(), int64_t{0});
   const int64_t filled = std::accumulate(filled_.begin(), filled_.end(), int64_t{0});

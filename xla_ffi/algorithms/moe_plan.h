@@ -72,12 +72,14 @@ class MoeDispatchPlanBuilder {
   void Header(Plan* plan) const;  // the group plan's shape, no transfers
   MoeOpShape p_;
   int64_t per_rank_, slots_;
-  // Per global slot: the rank and token filling it (rank -1: empty); -1 if
-  // it leads its token on its rank, else the lead's slot; the next of a
-  // lead's followers (a lead's entry: its first), ascending. No division per
-  // slot or pair (a 64-bit divide each was most of the build): owners come
-  // from a reciprocal, rows from nested loops.
-  std::vector<int32_t> src_rank_, src_token_, lead_, next_;
+  // Per global slot: the group token filling it (rank x tokens + token; -1:
+  // empty; one array, not a rank's and a token's: the owners read what the
+  // placing ranks wrote, a cache line from another core per 16 slots); -1
+  // if it leads its token on its rank, else the lead's slot; the next of a
+  // lead's followers (a lead's entry: its first), ascending. No division
+  // per slot or pair (a 64-bit divide each was most of the build): owners
+  // and ranks come from reciprocals, rows from nested loops.
+  std::vector<int32_t> src_, lead_, next_;
   std::vector<Plan> owners_;  // each owner's transfers, refs local to it
   std::vector<int64_t> leads_;  // per rank: its tokens' leads (rows it sends)
   std::vector<int64_t> kept_;   // per rank: its kept pairs

@@ -903,6 +903,32 @@ Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std
   return phase;
 }
 
+// Every transfer of a plan, whole, in order. A copy plan's rows and zero
+// runs of at most a strip (MoE dispatch's, ten thousand an op) go straight
+// to memcpy and memset: through RunColumns each paid its checks and calls.
+void RunTransfers(const Plan& plan, const View& v) {
+  const uint32_t count = static_cast<uint32_t>(plan.transfers.size());
+  const bool copies = !plan.weighted && !plan.dot && !plan.is_reduction() && v.rows == 1 && !v.streaming;
+  for (uint32_t i = 0; i < count; ++i) {
+    const Transfer& t = plan.transfers[i];
+    const int64_t len = plan.Columns(t);
+    if (!copies || t.src_count > 1 || len > kCopyStripBytes) {
+      RunColumns(plan, i, 0, len, v);
+      continue;
+    }
+    const BlockRef* const dst = &plan.refs[t.dst_begin];
+    if (t.src_count == 0) {
+      for (uint32_t k = 0; k < t.dst_count; ++k)
+        std::memset(v.out[dst[k].rank] + dst[k].block * v.block_stride, 0, static_cast<size_t>(len));
+      continue;
+    }
+    const BlockRef& src = plan.refs[t.src_begin];
+    const char* const from = v.in[src.rank] + src.block * v.block_stride;
+    for (uint32_t k = 0; k < t.dst_count; ++k)
+      std::memcpy(v.out[dst[k].rank] + dst[k].block * v.block_stride, from, static_cast<size_t>(len));
+  }
+}
+
 Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
                        std::function<void(uint64_t task, const TransferRunner& runner)> order) {
   struct Group {
@@ -927,6 +953,13 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
       v.producer = f.producer.get();
       v.producer_first = f.first ? f.first->data() : nullptr;
       RunColumns(*f.plan, transfer, 0, f.plan->Columns(f.plan->transfers[transfer]), v);
+    }
+    void RunAll(size_t g, size_t p) const override {
+      const FusedPlan& f = (*groups)[g].plans[p];
+      View& v = (*views)[g];
+      v.producer = f.producer.get();
+      v.producer_first = f.first ? f.first->data() : nullptr;
+      RunTransfers(*f.plan, v);
     }
   };
   Phase phase;

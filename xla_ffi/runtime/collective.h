@@ -173,10 +173,11 @@ struct PlanGroup {
   PlanBuffers buffers;
 };
 // What OrderedPlanPhase's order calls: Run(g, p, t) runs transfer t of
-// group g's plan p, every column.
+// group g's plan p, every column; RunAll(g, p) all of its transfers in order.
 class TransferRunner {
  public:
   virtual void Run(size_t group, size_t plan, uint32_t transfer) const = 0;
+  virtual void RunAll(size_t group, size_t plan) const = 0;
 
  protected:
   ~TransferRunner() = default;

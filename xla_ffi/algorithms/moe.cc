@@ -415,6 +415,37 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
             start);
 }
 
+// Dispatch's plan builder, combine's and its backward's plans, and
+// combine's shares, are rebuilt every op; when an op is over they come back
+// here and the next op reuses their arrays (fresh ones cost a page fault
+// per 4 KiB written: most of the serial layout step). At most `kept` are kept and, with `bytes`, at most
+// `budget` bytes of them (shares: one per rank per op, at any group size),
+// so memory stays flat.
+template <typename T>
+std::shared_ptr<T> AcquirePooled(size_t kept = 2, int64_t (*bytes)(const T&) = nullptr, int64_t budget = 0) {
+  static std::mutex& mu = *new std::mutex;  // never destroyed: workers may run at exit
+  static auto& pool = *new std::vector<std::unique_ptr<T>>;
+  static int64_t kept_bytes = 0;
+  std::unique_ptr<T> item;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!pool.empty()) {
+      item = std::move(pool.back());
+      pool.pop_back();
+      if (bytes) kept_bytes -= bytes(*item);
+    }
+  }
+  if (!item) item = std::make_unique<T>();
+  return std::shared_ptr<T>(item.release(), [kept, bytes, budget](T* done) {
+    std::unique_ptr<T> owned(done);
+    const int64_t size = bytes ? bytes(*owned) : 0;
+    std::lock_guard<std::mutex> lock(mu);
+    if (pool.size() >= kept || (bytes && kept_bytes + size > budget)) return;
+    kept_bytes += size;
+    pool.push_back(std::move(owned));
+  });
+}
+
 struct DispatchRank : RankState {
   using RankState::RankState;
   // Until the placement phase, pair_slot[i] holds pair i's (checked) expert as
@@ -529,7 +560,9 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
     // Phase 1, a task per rank: place its pairs in (token, k) order after
     // all pairs of lower ranks, tell the owning ranks where each of their
     // rows comes from, and enter its slots in the plan.
-    auto builder = std::make_shared<MoeDispatchPlanBuilder>(p);
+    auto builder = AcquirePooled<MoeDispatchPlanBuilder>(
+        2, [](const MoeDispatchPlanBuilder& b) { return b.CapacityBytes(); }, int64_t{64} << 20);
+    builder->Reset(p);
     Phase place;
     place.count = n;
     place.run = [ranks, layout, builder, el, cap, pairs](uint64_t rank) {
@@ -637,37 +670,6 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
 }
 
 namespace {
-// Combine's and its backward's plans, and combine's shares, are rebuilt
-// every op; when an op is over they come back here and the next op reuses
-// their arrays (fresh ones cost a page fault per 4 KiB written: most of the
-// serial layout step). At most `kept` are kept and, with `bytes`, at most
-// `budget` bytes of them (shares: one per rank per op, at any group size),
-// so memory stays flat.
-template <typename T>
-std::shared_ptr<T> AcquirePooled(size_t kept = 2, int64_t (*bytes)(const T&) = nullptr, int64_t budget = 0) {
-  static std::mutex& mu = *new std::mutex;  // never destroyed: workers may run at exit
-  static auto& pool = *new std::vector<std::unique_ptr<T>>;
-  static int64_t kept_bytes = 0;
-  std::unique_ptr<T> item;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!pool.empty()) {
-      item = std::move(pool.back());
-      pool.pop_back();
-      if (bytes) kept_bytes -= bytes(*item);
-    }
-  }
-  if (!item) item = std::make_unique<T>();
-  return std::shared_ptr<T>(item.release(), [kept, bytes, budget](T* done) {
-    std::unique_ptr<T> owned(done);
-    const int64_t size = bytes ? bytes(*owned) : 0;
-    std::lock_guard<std::mutex> lock(mu);
-    if (pool.size() >= kept || (bytes && kept_bytes + size > budget)) return;
-    kept_bytes += size;
-    pool.push_back(std::move(owned));
-  });
-}
-
 // A rank's share of an op's plans (combine's: its tokens' sums and the
 // partials they make; the backward's: its rows as an owner), pooled by bytes.
 template <typename Share>

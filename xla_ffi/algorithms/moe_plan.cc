@@ -31,24 +31,36 @@ OpParams MoeDispatchRunParams(const MoeOpShape& p) {
   return o;
 }
 
-MoeDispatchPlanBuilder::MoeDispatchPlanBuilder(const MoeOpShape& p)
-    : p_(p),
-      per_rank_(p.local_experts() * p.capacity),
-      slots_(p.group_size * per_rank_),
-      owners_(p.group_size),
-      leads_(p.group_size, 0),
-      kept_(p.group_size, 0),
-      filled_(p.group_size, 0),
-      bad_(p.group_size, 0) {
+void MoeDispatchPlanBuilder::Reset(const MoeOpShape& p) {
+  p_ = p;
+  per_rank_ = p.local_experts() * p.capacity;
+  slots_ = p.group_size * per_rank_;
   // Each owner's plan has the group plan's shape (strata mode runs them as
-  // they are, a view of every rank's buffers each).
-  Plan header;
-  Header(&header);
-  for (Plan& owner : owners_) owner = header;
-  if (slots_ > INT32_MAX || p.group_size * p.tokens > INT32_MAX) return;  // Finish says so
+  // they are, a view of every rank's buffers each); a pooled builder's
+  // plans keep their lists' storage.
+  owners_.resize(p.group_size);
+  for (Plan& owner : owners_) {
+    owner.Clear();
+    Header(&owner);
+  }
+  leads_.assign(p.group_size, 0);
+  kept_.assign(p.group_size, 0);
+  filled_.assign(p.group_size, 0);
+  bad_.assign(p.group_size, 0);
+  if (slots_ > INT32_MAX || p.group_size * p.tokens > INT32_MAX) {  // Finish says so
+    src_.clear();
+    return;
+  }
   src_.assign(slots_, -1);
-  lead_.assign(slots_, -1);
+  lead_.resize(slots_);  // written for every filled slot before it is read
   next_.assign(slots_, -1);
+}
+
+int64_t MoeDispatchPlanBuilder::CapacityBytes() const {
+  int64_t bytes = static_cast<int64_t>((src_.capacity() + lead_.capacity() + next_.capacity()) * sizeof(int32_t));
+  for (const Plan& owner : owners_)
+    bytes += static_cast<int64_t>(owner.transfers.capacity() * sizeof(Transfer) + owner.refs.capacity() * sizeof(BlockRef));
+  return bytes;
 }
 
 void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {

@@ -57,7 +57,12 @@ Status BuildMoeDispatchPlan(const MoeOpShape& p, const std::vector<const int32_t
 // group plan's shape): CheckSlots is Finish's report without the join.
 class MoeDispatchPlanBuilder {
  public:
-  explicit MoeDispatchPlanBuilder(const MoeOpShape& p);
+  MoeDispatchPlanBuilder() = default;
+  explicit MoeDispatchPlanBuilder(const MoeOpShape& p) { Reset(p); }
+  // For the shape's op, as if new (a pooled builder keeps its lists' storage:
+  // fresh ones each op were a tenth of a dispatch in malloc and free).
+  void Reset(const MoeOpShape& p);
+  int64_t CapacityBytes() const;  // what a pool keeps alive
   void Sources(int r, const int32_t* pair_slot);
   // False, with rank o's plan empty, when some rank's slots were bad.
   bool Owner(int32_t owner);
@@ -71,7 +76,7 @@ class MoeDispatchPlanBuilder {
  private:
   void Header(Plan* plan) const;  // the group plan's shape, no transfers
   MoeOpShape p_;
-  int64_t per_rank_, slots_;
+  int64_t per_rank_ = 0, slots_ = 0;
   // Per global slot: the group token filling it (rank x tokens + token; -1:
   // empty; one array, not a rank's and a token's: the owners read what the
   // placing ranks wrote, a cache line from another core per 16 slots); -1

@@ -1,7 +1,9 @@
 // MoE dispatch as a transfer plan, in the collectives' vocabulary: what the
-// runtime executes (algorithms/moe.cc, through runtime/collective.h PlanJob)
-// and what the supernode model times (model_bindings, model.cc PlanProgram),
-// built from the same data: every rank's pair slots.
+// runtime executes (algorithms/moe.cc: in strata mode each owner's plan as
+// it is, through runtime/collective.h OrderedPlanPhase; in buffer_centric
+// the joined plan, through PlanJob) and what the supernode model times
+// (model_bindings, model.cc PlanProgram), built from the same data: every
+// rank's pair slots.
 //
 // Blocks are rows: a rank's input is its x [tokens, hidden] (a block per
 // token), its output its experts' rows [E_local * capacity, hidden] (a block

@@ -418,9 +418,9 @@ void Launch(const char* opname, const MoeParams& p, const MoeCall& c,
 // Dispatch's plan builder, combine's and its backward's plans, and
 // combine's shares, are rebuilt every op; when an op is over they come back
 // here and the next op reuses their arrays (fresh ones cost a page fault
-// per 4 KiB written: most of the serial layout step). At most `kept` are kept and, with `bytes`, at most
-// `budget` bytes of them (shares: one per rank per op, at any group size),
-// so memory stays flat.
+// per 4 KiB written: most of the serial layout step). At most `kept` are
+// kept and, with `bytes`, at most `budget` bytes of them (shares: one per
+// rank per op, at any group size), so memory stays flat.
 template <typename T>
 std::shared_ptr<T> AcquirePooled(size_t kept = 2, int64_t (*bytes)(const T&) = nullptr, int64_t budget = 0) {
   static std::mutex& mu = *new std::mutex;  // never destroyed: workers may run at exit
@@ -601,7 +601,7 @@ void MoeDispatchAsync(const MoeParams& p, const MoeCall& c, const void* x, Exper
       // on the lanes the busiest rank's bytes chose once every rank's pairs
       // were placed. The joined plan's partition was three serial steps
       // between phases and a piece walk per row; a phase of its own for the
-      // credit cost a tenth of the op.
+      // credit cost ~8 % of the op.
       auto on_sdma = std::make_shared<bool>(false);
       phases.back().then = [shape = static_cast<const MoeOpShape&>(p), builder, on_sdma](Job*) {
         const OpParams run = MoeDispatchRunParams(shape);

@@ -459,8 +459,8 @@ void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, con
     // destination to the next without RunGeneral's strips and tables.
     const int64_t len = c1 - c0;
     const BlockRef* const dst = &plan.refs[one.dst_begin];
-    const char* const src =
-        one.src_count == 0 ? nullptr : v.in[plan.refs[one.src_begin].rank] + plan.refs[one.src_begin].block * v.block_stride + c0;
+    const BlockRef* const from = one.src_count == 0 ? nullptr : &plan.refs[one.src_begin];
+    const char* const src = from ? v.in[from->rank] + from->block * v.block_stride + c0 : nullptr;
     for (uint32_t k = 0; k < one.dst_count; ++k) {
       char* const to = v.out[dst[k].rank] + dst[k].block * v.block_stride + c0;
       if (src) {
@@ -903,30 +903,10 @@ Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std
   return phase;
 }
 
-// Every transfer of a plan, whole, in order. A copy plan's rows and zero
-// runs of at most a strip (MoE dispatch's, ten thousand an op) go straight
-// to memcpy and memset: through RunColumns each paid its checks and calls.
+// Every transfer of a plan, whole, in order.
 void RunTransfers(const Plan& plan, const View& v) {
   const uint32_t count = static_cast<uint32_t>(plan.transfers.size());
-  const bool copies = !plan.weighted && !plan.dot && !plan.is_reduction() && v.rows == 1 && !v.streaming;
-  for (uint32_t i = 0; i < count; ++i) {
-    const Transfer& t = plan.transfers[i];
-    const int64_t len = plan.Columns(t);
-    if (!copies || t.src_count > 1 || len > kCopyStripBytes) {
-      RunColumns(plan, i, 0, len, v);
-      continue;
-    }
-    const BlockRef* const dst = &plan.refs[t.dst_begin];
-    if (t.src_count == 0) {
-      for (uint32_t k = 0; k < t.dst_count; ++k)
-        std::memset(v.out[dst[k].rank] + dst[k].block * v.block_stride, 0, static_cast<size_t>(len));
-      continue;
-    }
-    const BlockRef& src = plan.refs[t.src_begin];
-    const char* const from = v.in[src.rank] + src.block * v.block_stride;
-    for (uint32_t k = 0; k < t.dst_count; ++k)
-      std::memcpy(v.out[dst[k].rank] + dst[k].block * v.block_stride, from, static_cast<size_t>(len));
-  }
+  for (uint32_t i = 0; i < count; ++i) RunColumns(plan, i, 0, plan.Columns(plan.transfers[i]), v);
 }
 
 Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,

@@ -443,21 +443,12 @@ void RunColumns(const Plan& plan, uint32_t transfer, int64_t c0, int64_t c1, con
   if (plan.dot) return RunDot(plan, plan.transfers[transfer], c0, c1, v);
   if (plan.weighted) return RunWeighted(plan, plan.transfers[transfer], c0, c1, v);
   const Transfer& one = plan.transfers[transfer];
-  if (one.src_count == 1 && one.dst_count == 1 && !plan.is_reduction()) {
-    // One source to one destination (all_to_all, ppermute, gathers): no
-    // pointer tables, and small moves inline.
-    const int64_t len = c1 - c0, local = c0;
-    const BlockRef& sb = plan.refs[one.src_begin];
-    const BlockRef& db = plan.refs[one.dst_begin];
-    CopyRows(v.out[db.rank] + db.block * v.block_stride + local,
-             v.in[sb.rank] + sb.block * v.block_stride + local, len, v);
-    return;
-  }
-  if (one.src_count <= 1 && c1 - c0 <= kCopyStripBytes && !plan.is_reduction()) {
-    // A few blocks to each destination, or zeros (MoE dispatch's rows and
-    // empty rows, ten thousand an op): the source stays in cache from one
-    // destination to the next without RunGeneral's strips and tables.
-    const int64_t len = c1 - c0;
+  const int64_t len = c1 - c0;
+  if (!plan.is_reduction() && one.src_count <= 1 && (one.dst_count == 1 || len <= kCopyStripBytes)) {
+    // A copy or zeros to one destination (all_to_all, ppermute, gathers), or
+    // a few blocks to each of several (MoE dispatch's rows and empty rows,
+    // ten thousand an op, whose source stays in cache from one destination
+    // to the next): no pointer tables, and small moves inline.
     const BlockRef* const dst = &plan.refs[one.dst_begin];
     const BlockRef* const from = one.src_count == 0 ? nullptr : &plan.refs[one.src_begin];
     const char* const src = from ? v.in[from->rank] + from->block * v.block_stride + c0 : nullptr;
@@ -903,12 +894,6 @@ Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std
   return phase;
 }
 
-// Every transfer of a plan, whole, in order.
-void RunTransfers(const Plan& plan, const View& v) {
-  const uint32_t count = static_cast<uint32_t>(plan.transfers.size());
-  for (uint32_t i = 0; i < count; ++i) RunColumns(plan, i, 0, plan.Columns(plan.transfers[i]), v);
-}
-
 Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
                        std::function<void(uint64_t task, const TransferRunner& runner)> order) {
   struct Group {
@@ -928,18 +913,21 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
     const std::vector<Group>* groups;
     std::vector<View>* views;
     void Run(size_t g, size_t p, uint32_t transfer) const override {
-      const FusedPlan& f = (*groups)[g].plans[p];
-      View& v = (*views)[g];
-      v.producer = f.producer.get();
-      v.producer_first = f.first ? f.first->data() : nullptr;
-      RunColumns(*f.plan, transfer, 0, f.plan->Columns(f.plan->transfers[transfer]), v);
+      const Plan& plan = *(*groups)[g].plans[p].plan;
+      RunColumns(plan, transfer, 0, plan.Columns(plan.transfers[transfer]), ViewFor(g, p));
     }
     void RunAll(size_t g, size_t p) const override {
+      const Plan& plan = *(*groups)[g].plans[p].plan;
+      const View& v = ViewFor(g, p);
+      for (uint32_t t = 0; t < plan.transfers.size(); ++t) RunColumns(plan, t, 0, plan.Columns(plan.transfers[t]), v);
+    }
+    // Group g's view with plan p's producer.
+    const View& ViewFor(size_t g, size_t p) const {
       const FusedPlan& f = (*groups)[g].plans[p];
       View& v = (*views)[g];
       v.producer = f.producer.get();
       v.producer_first = f.first ? f.first->data() : nullptr;
-      RunTransfers(*f.plan, v);
+      return v;
     }
   };
   Phase phase;

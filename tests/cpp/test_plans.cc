@@ -1063,19 +1063,17 @@ void CheckMoeCombinePlan(std::mt19937_64& rng, int n, int experts, int64_t token
   CHECK(written == static_cast<int64_t>(partials.transfers.size()) * rb, name.str() << ": partials wrote " << written);
   if (stage_all) return;
 
-  // The runtime's strata path: each rank's share, partitioned alone and run
-  // fused with its own partials (algorithms/moe.cc), gives y's bits, and
-  // every NPU's lanes the joined plan's tasks.
-  std::vector<MoeCombineShare> shares(n);
-  std::vector<FusedPlan> set;
+  // The runtime's strata path: each rank's share run whole transfers in
+  // order, fused with its own partials (algorithms/moe.cc), gives y's bits
+  // in any order of its tasks, and its lane credit is every NPU's lanes of
+  // the joined plan's tasks.
+  std::vector<std::shared_ptr<const MoeCombineShare>> shares;
   for (int r = 0; r < n; ++r) {
-    const Status built = BuildMoeCombineShare(p, false, r, slot_ptrs[r], w_ptrs[r], &shares[r]);
+    auto share = std::make_shared<MoeCombineShare>();
+    const Status built = BuildMoeCombineShare(p, false, r, slot_ptrs[r], w_ptrs[r], share.get());
     CHECK(built.ok, name.str() << ": share " << r << " refused: " << built.message);
-    Partition(shares[r].sums, lanes, Planner::kBalanced);
-    const std::shared_ptr<void> unowned;  // the shares outlive the phase
-    set.push_back({std::shared_ptr<const Plan>(unowned, &shares[r].sums),
-                   std::shared_ptr<const Plan>(unowned, &shares[r].partials),
-                   std::shared_ptr<const std::vector<uint32_t>>(unowned, &shares[r].first_partial)});
+    PartitionCredit(share->sums, lanes, Planner::kBalanced, &share->sums_credit);
+    shares.push_back(share);
   }
   std::vector<std::vector<float>> y_shares(n, std::vector<float>(tokens * hidden, std::nanf("")));
   PlanBuffers by_share;
@@ -1083,22 +1081,35 @@ void CheckMoeCombinePlan(std::mt19937_64& rng, int n, int experts, int64_t token
     by_share.in.push_back(rows[r].data());
     by_share.out.push_back(y_shares[r].data());
   }
-  const Phase shared = PlanSetPhase(std::move(set), by_share, devices, true);
-  for (uint64_t i = shared.count; i-- > 0;) shared.run(i);  // in any order
-  mismatches = 0;
-  for (int r = 0; r < n; ++r)
-    for (int64_t i = 0; i < tokens * hidden; ++i) mismatches += std::memcmp(&y_shares[r][i], &want[r][i], 4) != 0;
-  CHECK(mismatches == 0, name.str() << ": " << mismatches << " elements of y differ run share by share");
+  // Whole shares a task (this size's default), and a few transfers a task.
+  for (const int64_t per_task : {int64_t{0}, int64_t{3}}) {
+    for (auto& y_r : y_shares) std::fill(y_r.begin(), y_r.end(), std::nanf(""));
+    const Phase shared = MoeCombineSharesPhase(p, shares, by_share, per_task);
+    for (uint64_t i = shared.count; i-- > 0;) shared.run(i);  // in any order
+    mismatches = 0;
+    for (int r = 0; r < n; ++r)
+      for (int64_t i = 0; i < tokens * hidden; ++i) mismatches += std::memcmp(&y_shares[r][i], &want[r][i], 4) != 0;
+    CHECK(mismatches == 0, name.str() << ": " << mismatches << " elements of y differ run share by share, "
+                                      << per_task << " transfers a task (" << shared.count << " tasks)");
+  }
+  ChunkBytes credited{};
   for (int r = 0; r < n; ++r) {
     std::vector<std::pair<int32_t, int64_t>> joined, alone;
     for (const LaneTask& t : partitioned_sums->tasks)
       if (t.npu == r) joined.push_back({t.lane, t.bytes});
-    for (const LaneTask& t : shares[r].sums.tasks) {
+    for (const LaneTask& t : shares[r]->sums_credit.tasks) {
       CHECK(t.npu == r, name.str() << ": rank " << r << "'s share has work on NPU " << t.npu);
       alone.push_back({t.lane, t.bytes});
     }
     CHECK(joined == alone, name.str() << ": rank " << r << "'s lanes differ between its share and the joined sums");
+    credited.carried += shares[r]->sums_credit.bytes.carried;
+    credited.local += shares[r]->sums_credit.bytes.local;
   }
+  int64_t sums_carried = 0, sums_local = 0;
+  for (const ChunkBytes& b : partitioned_sums->chunk_bytes) sums_carried += b.carried, sums_local += b.local;
+  CHECK(credited.carried == sums_carried && credited.local == sums_local,
+        name.str() << ": the shares credit " << credited.carried << " carried, " << credited.local
+                   << " local bytes; the joined sums " << sums_carried << ", " << sums_local);
 }
 
 void CheckMoeCombinePlans(int64_t* plans) {

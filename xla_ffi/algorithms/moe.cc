@@ -730,7 +730,7 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     me->share = AcquireShare<MoeCombineShare>();
     const Status built = BuildMoeCombineShare(p, /*stage_all=*/!direct, c.rank, pair_slot, weights, me->share.get());
     if (!built.ok) me->bad = Where(kCombineName, p, c) + built.message;
-    else if (direct) Partition(me->share->sums, p.cores, p.planner);  // its lanes: this rank's NPU's
+    else if (direct) PartitionCredit(me->share->sums, p.cores, p.planner, &me->share->sums_credit);  // this rank's NPU's lanes
   }
 
   enum { kEy = 0, kY };  // the slots and weights are in the share
@@ -752,27 +752,25 @@ void MoeCombineAsync(const MoeParams& p, const MoeCall& c, const void* expert_y,
     }
     std::vector<Phase> phases;
     if (direct) {
-      // One pass on the tokens' ranks, share by share: each partial is summed
-      // from its owner's rows as it is read (its owner's plan, fused). The
-      // owners' lanes are credited from the joined partials, partitioned as
-      // the model has them, by one task beside the sums.
-      std::vector<FusedPlan> set;
+      // One pass on the tokens' ranks, share by share, whole transfers in
+      // order: each partial is summed from its owner's rows as it is read
+      // (its owner's plan, fused). Each share's sums are credited as its
+      // handler split them; the owners' lanes from the joined partials,
+      // partitioned as the model has them, by one task beside the sums.
       PlanBuffers buffers;
       for (int r = 0; r < n; ++r) {
-        const std::shared_ptr<const MoeCombineShare>& share = shares[r];
-        set.push_back({std::shared_ptr<const Plan>(share, &share->sums), std::shared_ptr<const Plan>(share, &share->partials),
-                       std::shared_ptr<const std::vector<uint32_t>>(share, &share->first_partial)});
         buffers.in.push_back(s.ptrs[r][kEy]);
         buffers.out.push_back(s.ptrs[r][kY]);
       }
       Phase credit;
       credit.count = 1;
       credit.run = [shape = shape, shares, plans, devices = s.devices](uint64_t) {
+        for (const auto& share : shares) CreditLanes(share->sums_credit, devices, /*direct=*/true);
         JoinMoeCombineShares(shape, Views(shares), plans.get(), /*join_partials=*/true, /*join_sums=*/false);
         PartitionCredit(plans->partials, shape.cores, shape.planner, &plans->partials_credit);
         CreditLanes(plans->partials_credit, devices, /*direct=*/true);
       };
-      phases.push_back(Concat(std::move(credit), PlanSetPhase(std::move(set), buffers, s.devices, true)));
+      phases.push_back(Concat(std::move(credit), MoeCombineSharesPhase(shape, shares, buffers)));
       Schedule(std::move(phases), *ranks[0], n, job);
       return Status::Ok();
     }

@@ -11,28 +11,58 @@ namespace strata {
 namespace {
 constexpr const char* kName = "strata.moe.combine";
 
+// A kept pair as the builder groups a token's pairs: owner << 32 | k, so
+// ascending keys are owners ascending, k ascending within one (its row is
+// its slot's, read again where it is needed: a 12-byte record per pair,
+// moved by the sort, was a third of the build).
+inline int32_t OwnerOfKey(uint64_t key) { return static_cast<int32_t>(key >> 32); }
+inline int64_t KOfKey(uint64_t key) { return static_cast<int64_t>(static_cast<uint32_t>(key)); }
+// Top-k up to this many is sorted by ranks, on the stack; above, by insertion.
+constexpr int64_t kSortedTopK = 64;
+
 // Token t's kept pairs by owner (ascending; k ascending within one) into
 // `kept`, their number into *count; false on a bad slot.
-bool Group(const int32_t* pair_slot, int64_t t, int64_t k_top, int64_t slots, int64_t per_rank,
-           const OwnerOf& owner_of, MoeGroupedPair* kept, int64_t* count) {
-  *count = 0;
+bool Group(const int32_t* pair_slot, int64_t t, int64_t k_top, int64_t slots, const OwnerOf& owner_of,
+           uint64_t* kept, int64_t* count) {
+  // The keys first, then each one's place: the number of keys below it
+  // (keys are distinct). No branch depends on the routing: an insertion
+  // sort's were mispredicted at most pairs, a third of the build.
+  if (k_top > kSortedTopK) {
+    int64_t n = 0;
+    for (int64_t k = 0; k < k_top; ++k) {
+      const int32_t slot = pair_slot[t * k_top + k];
+      if (slot == -1) continue;
+      if (slot < -1 || slot >= slots) return false;
+      const uint64_t key = static_cast<uint64_t>(owner_of(slot)) << 32 | static_cast<uint64_t>(k);
+      int64_t i = n++;  // insertion sort, k arriving ascending
+      for (; i > 0 && kept[i - 1] > key; --i) kept[i] = kept[i - 1];
+      kept[i] = key;
+    }
+    *count = n;
+    return true;
+  }
+  uint64_t keys[kSortedTopK];
+  int64_t n = 0;
   for (int64_t k = 0; k < k_top; ++k) {
     const int32_t slot = pair_slot[t * k_top + k];
     if (slot == -1) continue;
     if (slot < -1 || slot >= slots) return false;
-    const int32_t owner = owner_of(slot);
-    const MoeGroupedPair pair{owner, static_cast<int32_t>(slot - owner * per_rank), static_cast<int32_t>(k)};
-    int64_t i = (*count)++;  // insertion sort by owner, stable in k: K is small
-    for (; i > 0 && kept[i - 1].owner > pair.owner; --i) kept[i] = kept[i - 1];
-    kept[i] = pair;
+    keys[n++] = static_cast<uint64_t>(owner_of(slot)) << 32 | static_cast<uint64_t>(k);
   }
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t below = 0;
+    for (int64_t j = 0; j < n; ++j) below += keys[j] < keys[i];
+    kept[below] = keys[i];
+  }
+  *count = n;
   return true;
 }
 
 // The end of the group (pairs of one owner) starting at kept[begin].
-int64_t GroupEnd(const MoeGroupedPair* kept, int64_t begin, int64_t count) {
+int64_t GroupEnd(const uint64_t* kept, int64_t begin, int64_t count) {
+  const int32_t owner = OwnerOfKey(kept[begin]);
   int64_t end = begin + 1;
-  while (end < count && kept[end].owner == kept[begin].owner) ++end;
+  while (end < count && OwnerOfKey(kept[end]) == owner) ++end;
   return end;
 }
 
@@ -71,7 +101,8 @@ int64_t MoeCombineShare::CapacityBytes() const {
     bytes += plan->refs.capacity() * sizeof(BlockRef) + plan->transfers.capacity() * sizeof(Transfer) +
              plan->weights.capacity() * sizeof(double) + plan->pieces.capacity() * sizeof(Piece) +
              plan->tasks.capacity() * sizeof(LaneTask);
-  return bytes + grouped.capacity() * sizeof(MoeGroupedPair) + grouped_count.capacity() * sizeof(int32_t);
+  return bytes + grouped.capacity() * sizeof(uint64_t) + grouped_count.capacity() * sizeof(int32_t) +
+         sums_credit.tasks.capacity() * sizeof(LaneTask);
 }
 
 Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const int32_t* pair_slot,
@@ -84,7 +115,7 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
 
   // Pass 1: group each token's pairs by owner; count r's sums and its
   // partials on each owner (first_partial[o + 1], first_partial_ref[o + 1]).
-  std::vector<MoeGroupedPair>& grouped = share->grouped;
+  std::vector<uint64_t>& grouped = share->grouped;
   std::vector<int32_t>& counts = share->grouped_count;
   grouped.resize(p.tokens * k_top);
   counts.resize(p.tokens);
@@ -96,8 +127,8 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
   bool open_zeros = false;  // the last sum zeroes a run of r's tokens
   for (int64_t t = 0; t < p.tokens; ++t) {
     int64_t count = 0;
-    MoeGroupedPair* const kept = grouped.data() + t * k_top;
-    if (!Group(pair_slot, t, k_top, slots, per_rank, owner_of, kept, &count)) {
+    uint64_t* const kept = grouped.data() + t * k_top;
+    if (!Group(pair_slot, t, k_top, slots, owner_of, kept, &count)) {
       for (int64_t k = 0; k < k_top; ++k) {
         const int32_t slot = pair_slot[t * k_top + k];
         if (slot >= -1 && slot < slots) continue;
@@ -120,8 +151,9 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
       const int64_t end = GroupEnd(kept, begin, count);
       sum_refs++;
       if (end - begin > 1 || stage_all) {
-        first[kept[begin].owner + 1]++;
-        first_ref[kept[begin].owner + 1] += static_cast<uint32_t>(end - begin + 1);
+        const int32_t o = OwnerOfKey(kept[begin]);
+        first[o + 1]++;
+        first_ref[o + 1] += static_cast<uint32_t>(end - begin + 1);
         partials++;
         partial_refs += end - begin + 1;
       }
@@ -154,7 +186,9 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
   open_zeros = false;
   for (int64_t t = 0; t < p.tokens; ++t) {
     const int64_t count = counts[t];
-    const MoeGroupedPair* const kept = grouped.data() + t * k_top;
+    const uint64_t* const kept = grouped.data() + t * k_top;
+    // Pair (t, k)'s row on its owner o.
+    auto row_of = [&](int64_t k, int32_t o) { return static_cast<int32_t>(pair_slot[t * k_top + k] - o * per_rank); };
     const BlockRef y{r, static_cast<int32_t>(t)};
     if (count == 0) {
       if (open_zeros) {
@@ -176,10 +210,11 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
     sum.src_begin = ref;
     for (int64_t begin = 0; begin < count;) {
       const int64_t end = GroupEnd(kept, begin, count);
-      const int32_t o = kept[begin].owner;
+      const int32_t o = OwnerOfKey(kept[begin]);
       if (end - begin == 1 && !stage_all) {
-        sums.refs[ref] = {o, kept[begin].row};  // crosses as it is, weighted on arrival
-        sums.weights[ref++] = weight(t, kept[begin].k);
+        const int64_t k = KOfKey(kept[begin]);
+        sums.refs[ref] = {o, row_of(k, o)};  // crosses as it is, weighted on arrival
+        sums.weights[ref++] = weight(t, k);
       } else {
         const bool lone = end - begin == 1;  // staged as it is (stage_all), weighted where read
         const uint32_t index = next[o]++;
@@ -188,8 +223,9 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
         partial.src_begin = next_ref[o];
         partial.src_count = static_cast<uint32_t>(end - begin);
         for (int64_t i = begin; i < end; ++i) {
-          parts.refs[next_ref[o]] = {o, kept[i].row};
-          parts.weights[next_ref[o]++] = lone ? 1.0 : weight(t, kept[i].k);
+          const int64_t k = KOfKey(kept[i]);
+          parts.refs[next_ref[o]] = {o, row_of(k, o)};
+          parts.weights[next_ref[o]++] = lone ? 1.0 : weight(t, k);
         }
         const int32_t block = static_cast<int32_t>(index - first[o]);
         partial.dst_begin = next_ref[o];
@@ -197,7 +233,7 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
         parts.refs[next_ref[o]] = {o, block};
         parts.weights[next_ref[o]++] = 1.0;
         sums.refs[ref] = {o, static_cast<int32_t>(per_rank + block)};
-        sums.weights[ref++] = lone ? weight(t, kept[begin].k) : 1.0;
+        sums.weights[ref++] = lone ? weight(t, KOfKey(kept[begin])) : 1.0;
       }
       begin = end;
     }
@@ -208,6 +244,34 @@ Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const in
     sums.weights[ref++] = 1.0;
   }
   return Status::Ok();
+}
+
+Phase MoeCombineSharesPhase(const MoeOpShape& p, std::vector<std::shared_ptr<const MoeCombineShare>> shares,
+                            const PlanBuffers& buffers, int64_t transfers_per_task) {
+  std::vector<PlanGroup> groups(1);
+  groups[0].buffers = buffers;
+  // Tasks of about a host chunk of rows read and written (a token reads at
+  // most topk rows and writes one): a few per share, so a group's shares
+  // spread over the workers.
+  const int64_t per_task =
+      transfers_per_task > 0
+          ? transfers_per_task
+          : std::max<int64_t>(1, kHostChunkBytes / std::max<int64_t>(1, p.row_bytes() * (p.topk + 1)));
+  std::vector<uint64_t> first_task(1, 0);  // share r's tasks: [first_task[r], first_task[r + 1])
+  for (const std::shared_ptr<const MoeCombineShare>& share : shares) {
+    groups[0].plans.push_back({std::shared_ptr<const Plan>(share, &share->sums),
+                               std::shared_ptr<const Plan>(share, &share->partials),
+                               std::shared_ptr<const std::vector<uint32_t>>(share, &share->first_partial)});
+    const int64_t transfers = static_cast<int64_t>(share->sums.transfers.size());
+    first_task.push_back(first_task.back() + static_cast<uint64_t>((transfers + per_task - 1) / per_task));
+  }
+  const uint64_t tasks = first_task.back();
+  auto order = [first_task = std::move(first_task), per_task](uint64_t task, const TransferRunner& run) {
+    const size_t r = static_cast<size_t>(std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin()) - 1;
+    const uint32_t begin = static_cast<uint32_t>((task - first_task[r]) * per_task);
+    run.RunRange(0, r, begin, begin + static_cast<uint32_t>(per_task));
+  };
+  return OrderedPlanPhase(std::move(groups), tasks, std::move(order));
 }
 
 Status JoinMoeCombineShares(const MoeOpShape& p, const std::vector<const MoeCombineShare*>& shares,

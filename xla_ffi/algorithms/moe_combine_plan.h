@@ -23,19 +23,15 @@
 // rank by rank, so every NPU's lanes get the same pieces either way.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
+#include "../runtime/collective.h"
 #include "../runtime/moe_shape.h"
 #include "../runtime/plan.h"
 #include "../runtime/status.h"
 
 namespace strata {
-
-// A kept pair as the builder groups a token's pairs: its owner, its row
-// there, its k.
-struct MoeGroupedPair {
-  int32_t owner, row, k;
-};
 
 struct MoeCombinePlans {
   Plan partials;  // input: each rank's expert rows; output: its scratch
@@ -57,9 +53,13 @@ struct MoeCombineShare {
   Plan sums, partials;
   std::vector<uint32_t> first_partial;      // [n + 1]: r's partials on o are [first_partial[o], first_partial[o + 1])
   std::vector<uint32_t> first_partial_ref;  // [n + 1]: and their refs (sources, then the one destination)
+  // Strata mode: the sums' lanes' credit, as the joined sums partitioned
+  // have them on this rank's NPU (the share runs whole transfers).
+  LaneCredit sums_credit;
   // The builder's scratch, kept with the share (the runtime pools shares):
-  // each token's kept pairs grouped by owner, and their numbers.
-  std::vector<MoeGroupedPair> grouped;
+  // each token's kept pairs grouped by owner (owner << 32 | k, ascending),
+  // and their numbers.
+  std::vector<uint64_t> grouped;
   std::vector<int32_t> grouped_count;
   // Bytes the share's arrays hold (what a pool keeps alive).
   int64_t CapacityBytes() const;
@@ -72,6 +72,15 @@ struct MoeCombineShare {
 // naming rank r's pair. The share's plans are unpartitioned.
 Status BuildMoeCombineShare(const MoeOpShape& p, bool stage_all, int r, const int32_t* pair_slot,
                             const void* weights, MoeCombineShare* share);
+
+// The shares' sums run on the host as strata mode runs them: whole
+// transfers in order, each partial they read summed from its owner's rows
+// as it is read (the partials fused), a run of one share's tokens a task
+// (about a host chunk of rows; `transfers_per_task` of its sums, if given).
+// buffers: in, the expert rows; out, y. Credits nothing: the caller credits
+// each share's sums_credit and the joined partials' lanes (CreditLanes).
+Phase MoeCombineSharesPhase(const MoeOpShape& p, std::vector<std::shared_ptr<const MoeCombineShare>> shares,
+                            const PlanBuffers& buffers, int64_t transfers_per_task = 0);
 
 // The group's plans from every rank's share (shares[r]: rank r's, built with
 // the same shape and stage_all), unpartitioned. Either plan alone: the other

@@ -872,36 +872,6 @@ Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, st
   return phase;
 }
 
-Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std::vector<int32_t> devices,
-                   bool direct) {
-  std::vector<uint64_t> starts(1, 0);  // plan i's tasks: [starts[i], starts[i + 1])
-  for (const FusedPlan& f : plans) starts.push_back(starts.back() + f.plan->chunk_starts.size() - 1);
-  // The plans share their buffers' layout.
-  View v = plans.empty() ? View() : PlanView(*plans[0].plan, buffers, /*with_producer=*/true);
-  // Each thread runs from its own copy of the view, the producer set per
-  // plan: a view per plan was the ranks' pointers once per rank (n^2 of them
-  // at 384 ranks). The copy is made once per thread per phase.
-  static std::atomic<uint64_t> next_id{0};
-  const uint64_t id = ++next_id;
-  Phase phase;
-  phase.count = starts.back();
-  phase.run = [plans = std::move(plans), starts = std::move(starts), v = std::move(v), devices = std::move(devices),
-               direct, id](uint64_t task) {
-    thread_local View mine;
-    thread_local uint64_t mine_id = 0;
-    if (mine_id != id) {
-      mine = v;
-      mine_id = id;
-    }
-    const size_t i = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), task) - starts.begin()) - 1;
-    const FusedPlan& f = plans[i];
-    mine.producer = f.producer.get();
-    mine.producer_first = f.first ? f.first->data() : nullptr;
-    RunPlanChunk(*f.plan, task - starts[i], mine, devices, direct, /*staging=*/false);
-  };
-  return phase;
-}
-
 Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
                        std::function<void(uint64_t task, const TransferRunner& runner)> order) {
   struct Group {
@@ -914,7 +884,8 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
     shared->push_back({std::move(g.plans), std::move(v)});
   }
   // Each thread runs from its own copies of the views, the producer set per
-  // plan (as PlanSetPhase's), made once per thread per phase.
+  // plan: a view per plan was the ranks' pointers once per rank (n^2 of them
+  // at 384 ranks). The copies are made once per thread per phase.
   static std::atomic<uint64_t> next_id{0};
   const uint64_t id = ++next_id;
   struct Runner final : TransferRunner {
@@ -924,10 +895,20 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
       const Plan& plan = *(*groups)[g].plans[p].plan;
       RunColumns(plan, transfer, 0, plan.Columns(plan.transfers[transfer]), ViewFor(g, p));
     }
-    void RunAll(size_t g, size_t p) const override {
+    void RunRange(size_t g, size_t p, uint32_t begin, uint32_t end) const override {
       const Plan& plan = *(*groups)[g].plans[p].plan;
       const View& v = ViewFor(g, p);
-      for (uint32_t t = 0; t < plan.transfers.size(); ++t) RunColumns(plan, t, 0, plan.Columns(plan.transfers[t]), v);
+      // A weighted or dot plan's sources are rows at random places: the next
+      // transfer's are asked for before this one runs (as RunPieces does).
+      const bool gather = plan.weighted || plan.dot;
+      end = std::min(end, static_cast<uint32_t>(plan.transfers.size()));
+      for (uint32_t t = begin; t < end; ++t) {
+        if (gather && t + 1 < end) PrefetchSources(plan, t + 1, 0, plan.Columns(plan.transfers[t + 1]), v);
+        RunColumns(plan, t, 0, plan.Columns(plan.transfers[t]), v);
+      }
+    }
+    void RunAll(size_t g, size_t p) const override {
+      RunRange(g, p, 0, static_cast<uint32_t>((*groups)[g].plans[p].plan->transfers.size()));
     }
     // Group g's view with plan p's producer.
     const View& ViewFor(size_t g, size_t p) const {

@@ -153,30 +153,27 @@ Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, st
                 bool direct, bool staging = false, std::shared_ptr<const Plan> producer = nullptr,
                 std::vector<uint32_t> producer_first = {}, bool credit_producer = true);
 
-// One plan of a PlanSetPhase: `plan` fused with `producer` (as PlanPhase's,
-// producer_first = *first), or without one.
+// A plan fused with `producer` (as PlanPhase's, producer_first = *first),
+// or without one.
 struct FusedPlan {
   std::shared_ptr<const Plan> plan, producer;
   std::shared_ptr<const std::vector<uint32_t>> first;
 };
-// Several partitioned plans over the same buffers as one phase, task by task
-// through their host chunks in order (MoE combine's shares: each rank's sums,
-// built in its handler before it joined, fused with its own partials). The
-// plans' lanes and bytes are credited as PlanPhase's; the producers' are not
-// (the caller credits the plan they are shares of: CreditLanes).
-Phase PlanSetPhase(std::vector<FusedPlan> plans, const PlanBuffers& buffers, std::vector<int32_t> devices,
-                   bool direct);
 
-// Plans over the same buffers (as PlanSetPhase's), for OrderedPlanPhase.
+// Plans over the same buffers, for OrderedPlanPhase.
 struct PlanGroup {
   std::vector<FusedPlan> plans;
   PlanBuffers buffers;
 };
 // What OrderedPlanPhase's order calls: Run(g, p, t) runs transfer t of
-// group g's plan p, every column; RunAll(g, p) all of its transfers in order.
+// group g's plan p, every column; RunRange(g, p, begin, end) its transfers
+// [begin, end) in order (end past the last: to the last; a weighted or dot
+// plan's next sources prefetched);
+// RunAll(g, p) all of them.
 class TransferRunner {
  public:
   virtual void Run(size_t group, size_t plan, uint32_t transfer) const = 0;
+  virtual void RunRange(size_t group, size_t plan, uint32_t begin, uint32_t end) const = 0;
   virtual void RunAll(size_t group, size_t plan) const = 0;
 
  protected:

@@ -143,6 +143,11 @@ bool MoeDispatchPlanBuilder::Owner(int32_t owner) {
   // The last transfer can take the next row: it stays on one rank's rows.
   bool open_zeros = false, open_run = false;
   const OwnerOf rank_of(std::max<int64_t>(p_.tokens, 1));  // a group token's rank
+  auto add_ref = [&plan](int32_t rank, int32_t block) {
+    BlockRef& ref = plan.refs.emplace_back();
+    ref.rank = rank;
+    ref.block = block;
+  };
   for (int32_t row = 0; row < per_rank_; ++row) {
     const int64_t slot = base + row;
     const int32_t token = src_[slot];
@@ -174,18 +179,20 @@ bool MoeDispatchPlanBuilder::Owner(int32_t owner) {
         continue;
       }
     }
-    // The refs written in place: through Plan::Add's arrays each ref was
-    // stored in halves and read back whole, a stall per destination.
-    Transfer t;
-    t.src_begin = static_cast<uint32_t>(plan.refs.size());
+    // The transfer and its refs written in place, field by field: built on
+    // the stack (or through Plan::Add's arrays) each was stored in halves and
+    // read back whole to be copied, a store-forwarding stall per record (a
+    // third of this loop).
+    const uint32_t first_ref = static_cast<uint32_t>(plan.refs.size());
+    add_ref(from.rank, from.block);
+    add_ref(owner, row);
+    for (int32_t f = next_[slot]; f >= 0; f = next_[f]) add_ref(owner, static_cast<int32_t>(f - base));
+    Transfer& t = plan.transfers.emplace_back();
+    t.src_begin = first_ref;
     t.src_count = 1;
-    t.dst_begin = t.src_begin + 1;
-    plan.refs.push_back(from);
-    plan.refs.push_back({owner, row});
-    for (int32_t f = next_[slot]; f >= 0; f = next_[f]) plan.refs.push_back({owner, static_cast<int32_t>(f - base)});
+    t.dst_begin = first_ref + 1;
     t.dst_count = static_cast<uint32_t>(plan.refs.size()) - t.dst_begin;
     t.local_copies = t.dst_count - 1;  // every destination is on this owner
-    plan.transfers.push_back(t);
     open_run = t.dst_count == 1;
   }
   return true;

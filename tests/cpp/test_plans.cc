@@ -873,6 +873,40 @@ void CheckMoeDispatchPlan(std::mt19937_64& rng, int n, int experts, int64_t toke
                 sum.written == joined.bytes.written,
             name.str() << ": the owners' plans credit " << got.size() << " lanes, the joined plan " << want.size());
     }
+    // And run as strata mode runs them (OrderedPlanPhase: an owner's plan
+    // whole, or in runs of a few transfers), every row gets its token's x
+    // row, an empty one zeros.
+    std::vector<std::vector<float>> x(n, std::vector<float>(tokens * p.hidden));
+    std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+    for (auto& xr : x)
+      for (float& e : xr) e = value(rng);
+    for (const uint32_t run : {0u, 2u}) {
+      std::vector<std::vector<float>> out(n, std::vector<float>(per_rank * p.hidden, std::nanf("")));
+      PlanGroup group;
+      for (int o = 0; o < n; ++o) {
+        const std::shared_ptr<void> unowned;  // the builder outlives the phase
+        group.plans.push_back({std::shared_ptr<const Plan>(unowned, &builder.OwnerPlan(o)), nullptr, nullptr});
+        group.buffers.in.push_back(x[o].data());
+        group.buffers.out.push_back(out[o].data());
+      }
+      const uint64_t tasks = run == 0 ? n : static_cast<uint64_t>(n) * (per_rank / run + 1);
+      const Phase phase = OrderedPlanPhase({std::move(group)}, tasks, [&](uint64_t task, const TransferRunner& runner) {
+        if (run == 0) return runner.RunAll(0, task);
+        const uint64_t per_owner = static_cast<uint64_t>(per_rank / run + 1);
+        runner.RunRange(0, task / per_owner, static_cast<uint32_t>(task % per_owner) * run,
+                        static_cast<uint32_t>(task % per_owner + 1) * run);
+      });
+      for (uint64_t i = phase.count; i-- > 0;) phase.run(i);  // in any order
+      int64_t wrong = 0;
+      for (int64_t slot = 0; slot < n * per_rank; ++slot)
+        for (int64_t e = 0; e < p.hidden; ++e) {
+          const float have = out[slot / per_rank][(slot % per_rank) * p.hidden + e];
+          const float expect = want[slot] < 0 ? 0.0f : x[want[slot] / tokens][(want[slot] % tokens) * p.hidden + e];
+          wrong += std::memcmp(&have, &expect, sizeof(float)) != 0;
+        }
+      CHECK(wrong == 0, name.str() << ": " << wrong << " values wrong running the owners' plans"
+                                   << (run ? " a few transfers at a time" : " whole"));
+    }
   }
   // Partitioned as the runtime does it: the chunks' carried/local bytes are the plan's.
   Partition(plan, lanes, Planner::kBalanced);

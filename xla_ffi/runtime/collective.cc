@@ -872,6 +872,33 @@ Phase PlanPhase(std::shared_ptr<const Plan> plan, const PlanBuffers& buffers, st
   return phase;
 }
 
+namespace {
+// Transfers [begin, end) of a copy plan (no weights, dots or reductions)
+// over one row, cached stores: each source's bytes to each destination, or
+// zeros. RunColumns' own checks and calls per transfer were a fifth of a
+// MoE dispatch owner's run, whose transfers are a row or a few each.
+void CopyRange(const Plan& plan, uint32_t begin, uint32_t end, const View& v) {
+  const Transfer* const transfers = plan.transfers.data();
+  const BlockRef* const refs = plan.refs.data();
+  const int64_t stride = v.block_stride;
+  for (uint32_t i = begin; i < end; ++i) {
+    const Transfer& t = transfers[i];
+    const size_t len = static_cast<size_t>(plan.Columns(t));
+    const BlockRef* dst = refs + t.dst_begin;
+    if (t.src_count == 0) {
+      for (uint32_t k = 0; k < t.dst_count; ++k) std::memset(v.out[dst[k].rank] + dst[k].block * stride, 0, len);
+      continue;
+    }
+    if (t.src_count > 1 || (t.dst_count > 1 && static_cast<int64_t>(len) > kCopyStripBytes)) {
+      RunColumns(plan, i, 0, static_cast<int64_t>(len), v);  // strips for a large fan-out
+      continue;
+    }
+    const char* const src = v.in[refs[t.src_begin].rank] + refs[t.src_begin].block * stride;
+    for (uint32_t k = 0; k < t.dst_count; ++k) std::memcpy(v.out[dst[k].rank] + dst[k].block * stride, src, len);
+  }
+}
+}  // namespace
+
 Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
                        std::function<void(uint64_t task, const TransferRunner& runner)> order) {
   struct Group {
@@ -902,6 +929,7 @@ Phase OrderedPlanPhase(std::vector<PlanGroup> groups, uint64_t tasks,
       // transfer's are asked for before this one runs (as RunPieces does).
       const bool gather = plan.weighted || plan.dot;
       end = std::min(end, static_cast<uint32_t>(plan.transfers.size()));
+      if (!gather && !plan.is_reduction() && v.rows == 1 && !v.streaming) return CopyRange(plan, begin, end, v);
       for (uint32_t t = begin; t < end; ++t) {
         if (gather && t + 1 < end) PrefetchSources(plan, t + 1, 0, plan.Columns(plan.transfers[t + 1]), v);
         RunColumns(plan, t, 0, plan.Columns(plan.transfers[t]), v);

@@ -857,15 +857,14 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
   // dispatch fields alone: built here, before the rank joins, while its
   // peers are on their way (built at the rendezvous, by owner, laid out,
   // joined and partitioned, the plans were ~2 ms of a ~12 ms backward). It
-  // runs on this rank's NPU alone, so in strata mode its lanes' credit is
-  // made here too, as the joined plans' partition on this NPU would give it.
-  const bool direct = me->rows.direct();
+  // runs on this rank's NPU alone, so its lanes' credit is made here too, as
+  // the joined plans' partition on this NPU would give it.
   if (me->bad.empty()) {
     me->share = AcquireShare<MoeBackwardShare>();
     const Status built = BuildMoeBackwardShare(p, c.rank, pair_slot, slot_source, me->share.get());
     if (!built.ok) {
       me->bad = Where(kCombineBwdName, p, c) + built.message;
-    } else if (direct) {
+    } else {
       MoeBackwardShare& share = *me->share;
       PartitionCredit(share.scale, p.cores, p.planner, &share.scale_credit);
       PartitionCredit(share.dots, p.cores, p.planner, &share.dots_credit, /*align=*/share.dots.block_bytes);
@@ -896,78 +895,41 @@ void MoeCombineBackwardAsync(const MoeParams& p, const MoeCall& c, const void* c
       views.push_back(ranks[r]->share.get());
       weights[r] = s.ptrs[r][kW];
     }
-    std::vector<Phase> phases;
-    if (direct) {
-      const bool carry_on_sdma = MoeBackwardCarryOnSdma(shape, views);
-      // The owners' shares as they are: each fills in its weights, and is
-      // credited as its NPU runs it (the carry split on the lanes chosen for
-      // all; the scale and dots as its handler split them).
-      Phase prepare;
-      prepare.count = n;
-      prepare.run = [shape = shape, shares, weights, carry_on_sdma, devices = s.devices](uint64_t o) {
-        MoeBackwardShare& share = *shares[o];
-        FillMoeBackwardWeights(shape, weights, &share);
-        share.carry.on_sdma = carry_on_sdma;
-        PartitionCredit(share.carry, carry_on_sdma ? shape.engines : shape.cores, shape.planner, &share.carry_credit);
-        for (const LaneCredit* credit : {&share.carry_credit, &share.scale_credit, &share.dots_credit})
-          CreditLanes(*credit, devices, /*direct=*/true);
-      };
-      PlanBuffers to_scale, to_dot;
-      std::vector<const int32_t*> pair_slots(n);
-      for (int r = 0; r < n; ++r) {
-        to_scale.out.push_back(s.ptrs[r][kDEy]);
-        to_dot.in.push_back(s.ptrs[r][kEy]);
-        to_dot.out.push_back(s.ptrs[r][kDW]);
-        to_scale.producer_in.push_back(s.ptrs[r][kCt]);
-        pair_slots[r] = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
-      }
-      to_dot.producer_in = to_scale.producer_in;
-      phases.push_back(std::move(prepare));
-      phases.push_back(MoeBackwardSharesPhase(shape, {shares.begin(), shares.end()}, std::move(pair_slots), to_scale, to_dot));
-      Schedule(std::move(phases), *ranks[0], n, job);
-      return Status::Ok();
+    // Both modes run the owners' shares as they are (buffer_centric from the
+    // comm buffers: ptrs name them, ct_y staged in first, the results staged
+    // out last). Joining them into the group's three plans and partitioning
+    // those, as the model times them, gave the same lanes and bytes for ~3 ms
+    // more CPU a call at the A/B's shape (perf; test_plans checks the two
+    // agree): buffer_centric's backward ran 1.12x dcc4dd8's, now 0.95x.
+    const bool carry_on_sdma = MoeBackwardCarryOnSdma(shape, views);
+    // Each owner's share fills in its weights and is credited as its NPU
+    // runs it (the carry split on the lanes chosen for all; the scale and
+    // dots as its handler split them).
+    Phase prepare;
+    prepare.count = n;
+    prepare.run = [shape = shape, shares, weights, carry_on_sdma, devices = s.devices, direct](uint64_t o) {
+      MoeBackwardShare& share = *shares[o];
+      FillMoeBackwardWeights(shape, weights, &share);
+      share.carry.on_sdma = carry_on_sdma;
+      PartitionCredit(share.carry, carry_on_sdma ? shape.engines : shape.cores, shape.planner, &share.carry_credit);
+      for (const LaneCredit* credit : {&share.carry_credit, &share.scale_credit, &share.dots_credit})
+        CreditLanes(*credit, devices, direct);
+    };
+    PlanBuffers to_scale, to_dot;
+    std::vector<const int32_t*> pair_slots(n);
+    for (int r = 0; r < n; ++r) {
+      to_scale.out.push_back(s.ptrs[r][kDEy]);
+      to_dot.in.push_back(s.ptrs[r][kEy]);
+      to_dot.out.push_back(s.ptrs[r][kDW]);
+      to_scale.producer_in.push_back(s.ptrs[r][kCt]);
+      pair_slots[r] = static_cast<const int32_t*>(s.ptrs[r][kPairSlot]);
     }
-    // buffer_centric: the shares joined into the group's three plans (laid
-    // out here, sizes only; each owner's weights filled and copied in by a
-    // task), partitioned (a task per plan), then run from the comm buffers.
-    auto plans = AcquirePooled<MoeBackwardPlans>();
-    auto join = std::make_shared<MoeBackwardJoin>(shape, views, plans.get());
-    join->Layout();
-    Phase joined;
-    joined.count = n;
-    joined.run = [shape = shape, shares, weights, join](uint64_t o) {
-      FillMoeBackwardWeights(shape, weights, shares[o].get());
-      join->Join(static_cast<int>(o));
-    };
-    Phase partition;  // a task per plan
-    partition.count = 3;
-    partition.run = [shape = shape, plans](uint64_t which) {
-      PartitionMoeBackwardPlan(shape, plans.get(), static_cast<int>(which));
-    };
-    partition.then = [plans, ranks, ptrs = PtrTable(s), devices = s.devices](Job* more) {
-      const int n = static_cast<int>(ranks.size());
-      std::shared_ptr<const Plan> carry(plans, &plans->carry), scale(plans, &plans->scale),
-          dots(plans, &plans->dots);
-      PlanBuffers to_scale, to_dot;
-      for (int r = 0; r < n; ++r) {
-        to_scale.out.push_back(ptrs[r][kDEy]);
-        to_dot.in.push_back(ptrs[r][kEy]);
-        to_dot.out.push_back(ptrs[r][kDW]);
-      }
-      // One pass on the owners: each carried row is read where it comes from
-      // (the carry fused into both readers; its lanes credited once): its
-      // staged copy in the token's comm buffer, which peers read as they
-      // read a collective's.
-      for (int r = 0; r < n; ++r) to_scale.producer_in.push_back(ptrs[r][kCt]);
-      to_dot.producer_in = to_scale.producer_in;
-      more->phases.push_back(Together(
-          PlanPhase(scale, to_scale, devices, false, false, carry, plans->first_carry),
-          PlanPhase(dots, to_dot, devices, false, false, carry, plans->first_carry, /*credit_producer=*/false)));
-      more->phases.push_back(StagePhase(ranks, /*in=*/false));
-    };
-    phases.push_back(StagePhase(ranks, /*in=*/true));
-    phases.push_back(std::move(joined));
-    phases.push_back(std::move(partition));
+    to_dot.producer_in = to_scale.producer_in;
+    std::vector<Phase> phases;
+    // Staging in and the weights are independent: one phase.
+    phases.push_back(direct ? std::move(prepare) : Together(StagePhase(ranks, /*in=*/true), std::move(prepare)));
+    phases.push_back(MoeBackwardSharesPhase(shape, {shares.begin(), shares.end()}, std::move(pair_slots), to_scale, to_dot));
+    if (!direct) phases.push_back(StagePhase(ranks, /*in=*/false));
     Schedule(std::move(phases), *ranks[0], n, job);
     return Status::Ok();
   }, std::move(done));

@@ -11,9 +11,10 @@
 //   dots, on the owners (a dot plan): per kept pair, <carried row, expert
 //     row> into the pair's d_weights value on its token's rank (in the same
 //     order); a run of dropped pairs' values is zeroed there.
-// The runtime runs them (algorithms/moe.cc; in strata mode scale and dots
-// read each carried row where it comes from, the carry fused into them) and
-// the model times them.
+// The runtime runs them as the owners' shares (algorithms/moe.cc: scale and
+// dots read each carried row where it comes from, the carry fused into
+// them; buffer_centric from the comm buffers) and the model times them
+// joined.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -101,7 +102,7 @@ struct MoeBackwardPlans {
 };
 
 // The shares joined into the group's plans in steps that may run in
-// parallel (the runtime runs them as phases): Layout (serial, sizes only),
+// parallel: Layout (serial, sizes only),
 // then Join(o) for every owner (copies share o in place). The shares'
 // weights must be filled first.
 class MoeBackwardJoin {
@@ -149,11 +150,11 @@ Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_
 Status MoeSlotSources(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
                       std::vector<std::vector<int32_t>>* slot_source);
 
-// Partitions plan `which` (0 carry, 1 scale, 2 dots) as the runtime and the
-// model both run it: the carry on SDMA engines or cores by the movement rule
+// Partitions plan `which` (0 carry, 1 scale, 2 dots) as the model times it
+// (the runtime's shares credit the same lanes): the carry on SDMA engines or cores by the movement rule
 // (MovesOnSdma over the busiest rank's bytes, with these figures), scale
 // and dots on cores (dots cut only between products). The three are
-// independent (the runtime partitions them at once).
+// independent.
 void PartitionMoeBackwardPlan(const MoeOpShape& p, MoeBackwardPlans* plans, int which,
                               double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
 // All three.

@@ -15,7 +15,7 @@ constexpr const char* kName = "strata.moe.combine (backward)";
 
 // An empty plan of rows (keeping the storage of the one it replaces).
 void Reset(Plan* plan, const MoeOpShape& p, int64_t in_blocks, int64_t out_blocks) {
-  plan->Clear();
+  plan->ClearKeepingElements();
   plan->num_ranks = p.group_size;
   plan->in_blocks = in_blocks;
   plan->out_blocks = out_blocks;

@@ -71,7 +71,7 @@ int64_t GroupEnd(const uint64_t* kept, int64_t begin, int64_t count) {
 // pooled by the runtime).
 void Reset(const MoeOpShape& p, bool partials, int64_t transfers, int64_t refs, Plan* plan) {
   const int64_t per_rank = p.local_experts() * p.capacity;
-  plan->Clear();
+  plan->ClearKeepingElements();
   plan->transfers.resize(transfers);
   plan->refs.resize(refs);
   plan->weights.resize(refs);

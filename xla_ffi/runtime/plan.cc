@@ -58,6 +58,19 @@ void Plan::Clear() {
   move_starts.clear();
 }
 
+void Plan::ClearKeepingElements() {
+  std::vector<Transfer> kept_transfers;
+  std::vector<BlockRef> kept_refs;
+  std::vector<double> kept_weights;
+  kept_transfers.swap(transfers);
+  kept_refs.swap(refs);
+  kept_weights.swap(weights);
+  Clear();
+  transfers.swap(kept_transfers);
+  refs.swap(kept_refs);
+  weights.swap(kept_weights);
+}
+
 void Plan::AddWeighted(const BlockRef* srcs, const double* w, uint32_t src_count, const BlockRef* dsts,
                        uint32_t dst_count, uint32_t span) {
   weighted = true;

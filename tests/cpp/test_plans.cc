@@ -1150,8 +1150,10 @@ void CheckMoeCombinePlans(int64_t* plans) {
   std::mt19937_64 rng(29);
   for (int n : {1, 2, 3, 8})
     for (int64_t capacity : {1, 5, 64})
-      for (int64_t topk : {1, 4})
+      // top-k up to 8 is grouped by a sorting network, above by counting.
+      for (int64_t topk : {1, 4, 7, 8, 12})
         for (bool stage_all : {false, true}) {
+          if (topk > 4 * n) continue;
           // hidden 3: columns of one element; 300: lanes cut inside rows.
           for (int64_t hidden : {3, 300}) {
             CheckMoeCombinePlan(rng, n, 4 * n, 17, topk, capacity, hidden, 3, stage_all);

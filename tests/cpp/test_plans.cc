@@ -1481,6 +1481,61 @@ void CheckRowKernels() {
     }
 }
 
+// Rounding to bfloat16 in every variant this CPU runs (the avx512 one lets
+// the CPU round, vcvtneps2bf16, and rounds the denormal inputs it takes as
+// zero by the integer rule): NarrowRow and AxpyAddRoundedRow against the
+// scalar rule (nearest even, a NaN quieted), on every float32 exponent with
+// its mantissa's edges and random ones (denormals, ties, infinities, NaNs),
+// in runs of 1003 (vectors and a tail).
+uint16_t Bf16Rounded(uint32_t bits) {
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+void CheckBf16Rounding() {
+  g_context = "bfloat16 rounding";
+  std::mt19937_64 rng(41);
+  std::vector<uint32_t> patterns;
+  for (uint32_t sign : {0u, 0x80000000u})
+    for (uint32_t exponent = 0; exponent < 256; ++exponent)
+      for (uint32_t mantissa : {0u, 1u, 0x7fffu, 0x8000u, 0x8001u, 0x17fffu, 0x18000u, 0x3fffffu, 0x400000u,
+                                0x7f7fffu, 0x7f8000u, 0x7fffffu}) {
+        patterns.push_back(sign | exponent << 23 | mantissa);
+        for (int r = 0; r < 8; ++r) patterns.push_back(sign | exponent << 23 | static_cast<uint32_t>(rng() & 0x7fffffu));
+      }
+  const int64_t n = static_cast<int64_t>(patterns.size());
+  std::vector<float> values(n), zeros(n, 0.0f);
+  std::memcpy(values.data(), patterns.data(), 4 * n);
+  const std::vector<uint16_t> zero_rows(n, 0);  // bfloat16 zeros: part + 1 x 0 is part
+  for (const std::string& isa : ReduceIsasAvailable()) {
+    SetReduceIsa(isa);
+    for (int64_t begin = 0; begin < n; begin += 1003) {
+      const int64_t len = std::min<int64_t>(1003, n - begin);
+      std::vector<uint16_t> narrowed(len);
+      NarrowRow(DType::BF16, narrowed.data(), values.data() + begin, len);
+      std::vector<float> acc(len, 0.0f);
+      AxpyAddRoundedRow(DType::BF16, acc.data(), values.data() + begin, zero_rows.data(), 1.0, len);
+      for (int64_t i = 0; i < len; ++i) {
+        const uint32_t bits = patterns[begin + i];
+        CHECK(narrowed[i] == Bf16Rounded(bits),
+              "NarrowRow " << isa << " of " << std::hex << bits << ": " << narrowed[i] << std::dec);
+        // acc = 0 + (part + 1 x 0, rounded): a -0 either way becomes +0.
+        const uint32_t sum_bits = bits == 0x80000000u ? 0u : bits;
+        const uint32_t rounded_bits = static_cast<uint32_t>(Bf16Rounded(sum_bits)) << 16;
+        float rounded;
+        std::memcpy(&rounded, &rounded_bits, 4);
+        const float added = 0.0f + rounded;
+        uint32_t want, got;
+        std::memcpy(&want, &added, 4);
+        std::memcpy(&got, &acc[i], 4);
+        const bool nan = (want & 0x7fffffffu) > 0x7f800000u;
+        CHECK(got == want || (nan && (got & 0x7fffffffu) > 0x7f800000u),
+              "AxpyAddRoundedRow " << isa << " of " << std::hex << bits << ": " << got << " want " << want << std::dec);
+      }
+    }
+  }
+  SetReduceIsa("auto");
+}
+
 void CheckRaggedPlans(int64_t* plans) {
   std::mt19937_64 rng(28);
   CheckRaggedErrors(rng);
@@ -1565,6 +1620,7 @@ int main() {
   CheckMoeCombinePlans(&plans);
   CheckMoeBackwardPlans(&plans);
   CheckRowKernels();
+  CheckBf16Rounding();
   std::printf("test_plans: %lld plans, %lld checks, %lld failures\n", static_cast<long long>(plans),
               static_cast<long long>(g_checks), static_cast<long long>(g_failures));
   return g_failures == 0 ? 0 : 1;

@@ -68,21 +68,21 @@ void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
   const int32_t first_token = static_cast<int32_t>(r * p_.tokens);
   const int64_t k_top = p_.topk, pairs = p_.tokens * k_top;
   const OwnerOf owner_of(std::max<int64_t>(per_rank_, 1));
-  struct Lead {
-    int32_t owner;
-    int32_t slot;
-  };
-  thread_local std::vector<Lead> thread_leads;  // the thread's scratch
-  if (thread_leads.size() < static_cast<size_t>(k_top)) thread_leads.resize(k_top);
-  Lead* const leads = thread_leads.data();
+  // Per owner, the slot leading the current token there (-1: none yet),
+  // reset after each token: a lookup, not a search of the token's leads
+  // so far, whose branches the routing decides (mispredicted at most pairs).
+  thread_local std::vector<int32_t> thread_lead_of;
+  if (thread_lead_of.size() < static_cast<size_t>(p_.group_size)) thread_lead_of.assign(p_.group_size, -1);
+  int32_t* const lead_of = thread_lead_of.data();
   int64_t carried = 0, kept = 0;  // the rank's leads (rows it sends) and kept pairs
   for (int64_t token = 0, first = 0; first < pairs; ++token, first += k_top) {
-    int64_t num_leads = 0;
     for (int64_t i = first; i < first + k_top; ++i) {
       const int32_t slot = pair_slot[i];
       if (slot == -1) continue;
       if (slot < -1 || slot >= slots_) {
         bad_[r] = 1;
+        for (int64_t j = first; j < i; ++j)  // leave the table as found
+          if (pair_slot[j] != -1) lead_of[owner_of(pair_slot[j])] = -1;
         return;
       }
       // Plain stores: ranks fill disjoint slots unless the slots are bad. A
@@ -91,13 +91,13 @@ void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
       src_[slot] = first_token + static_cast<int32_t>(token);
       ++kept;
       const int32_t owner = owner_of(slot);
-      int32_t led_by = -1;
-      for (int64_t j = 0; j < num_leads && led_by < 0; ++j)
-        if (leads[j].owner == owner) led_by = leads[j].slot;
-      if (led_by < 0) leads[num_leads++] = {owner, slot};
+      const int32_t led_by = lead_of[owner];
       lead_[slot] = led_by;
+      lead_of[owner] = led_by < 0 ? slot : led_by;
+      carried += led_by < 0;
     }
-    carried += num_leads;
+    for (int64_t i = first; i < first + k_top; ++i)
+      if (pair_slot[i] != -1) lead_of[owner_of(pair_slot[i])] = -1;
   }
   leads_[r] = carried;
   kept_[r] = kept;

@@ -299,60 +299,57 @@ Phase MoeBackwardSharesPhase(const MoeOpShape& p, std::vector<std::shared_ptr<co
   return OrderedPlanPhase(std::move(groups), token_tasks + n, std::move(order));
 }
 
-MoeBackwardJoin::MoeBackwardJoin(const MoeOpShape& p, std::vector<const MoeBackwardShare*> shares,
-                                 MoeBackwardPlans* plans)
-    : p_(p), shares_(std::move(shares)), plans_(plans) {
-  for (auto& at : transfer_at_) at.assign(p.group_size + 1, 0);
-  for (auto& at : ref_at_) at.assign(p.group_size + 1, 0);
-}
-
-void MoeBackwardJoin::Layout() {
-  const int n = p_.group_size;
-  MoeBackwardPlans& plans = *plans_;
-  ResetAll(p_, &plans.carry, &plans.scale, &plans.dots);
-  Plan* whole[3] = {&plans.carry, &plans.scale, &plans.dots};
+namespace {
+// The shares (weights filled) joined into the group's plans, owner by owner:
+// each share's transfers, refs and weights copied after those of lower
+// owners, its refs' indices moved by as much.
+void JoinShares(const MoeOpShape& p, const std::vector<const MoeBackwardShare*>& shares, MoeBackwardPlans* plans) {
+  const int n = p.group_size;
+  ResetAll(p, &plans->carry, &plans->scale, &plans->dots);
+  Plan* whole[3] = {&plans->carry, &plans->scale, &plans->dots};
+  // Per plan (carry, scale, dots), where each owner's transfers and refs go.
+  std::vector<uint32_t> transfer_at[3], ref_at[3];
+  for (int i = 0; i < 3; ++i) transfer_at[i].assign(n + 1, 0), ref_at[i].assign(n + 1, 0);
   int64_t scratch_blocks = 0;
   for (int o = 0; o < n; ++o) {
-    const MoeBackwardShare& share = *shares_[o];
+    const MoeBackwardShare& share = *shares[o];
     const Plan* part[3] = {&share.carry, &share.scale, &share.dots};
     for (int i = 0; i < 3; ++i) {
-      transfer_at_[i][o + 1] = transfer_at_[i][o] + static_cast<uint32_t>(part[i]->transfers.size());
-      ref_at_[i][o + 1] = ref_at_[i][o] + static_cast<uint32_t>(part[i]->refs.size());
+      transfer_at[i][o + 1] = transfer_at[i][o] + static_cast<uint32_t>(part[i]->transfers.size());
+      ref_at[i][o + 1] = ref_at[i][o] + static_cast<uint32_t>(part[i]->refs.size());
     }
     scratch_blocks = std::max<int64_t>(scratch_blocks, static_cast<int64_t>(share.carry.transfers.size()));
   }
   for (int i = 0; i < 3; ++i) {
-    whole[i]->transfers.resize(transfer_at_[i][n]);
-    whole[i]->refs.resize(ref_at_[i][n]);
+    whole[i]->transfers.resize(transfer_at[i][n]);
+    whole[i]->refs.resize(ref_at[i][n]);
   }
-  plans.scale.weights.resize(ref_at_[1][n]);
-  plans.carry.out_blocks = scratch_blocks;
-  plans.scale.scratch_blocks = scratch_blocks;
-  plans.dots.scratch_blocks = scratch_blocks;
-  plans.first_carry.assign(transfer_at_[0].begin(), transfer_at_[0].end() - 1);
-}
-
-void MoeBackwardJoin::Join(int o) {
-  MoeBackwardPlans& plans = *plans_;
-  const MoeBackwardShare& share = *shares_[o];
-  Plan* whole[3] = {&plans.carry, &plans.scale, &plans.dots};
-  const Plan* part[3] = {&share.carry, &share.scale, &share.dots};
-  for (int i = 0; i < 3; ++i) {
-    const uint32_t refs = ref_at_[i][o];
-    Transfer* to = whole[i]->transfers.data() + transfer_at_[i][o];
-    for (const Transfer& t : part[i]->transfers) {
-      Transfer moved = t;
-      moved.src_begin += refs;
-      moved.dst_begin += refs;
-      *to++ = moved;
+  plans->scale.weights.resize(ref_at[1][n]);
+  plans->carry.out_blocks = scratch_blocks;
+  plans->scale.scratch_blocks = scratch_blocks;
+  plans->dots.scratch_blocks = scratch_blocks;
+  plans->first_carry.assign(transfer_at[0].begin(), transfer_at[0].end() - 1);
+  for (int o = 0; o < n; ++o) {
+    const MoeBackwardShare& share = *shares[o];
+    const Plan* part[3] = {&share.carry, &share.scale, &share.dots};
+    for (int i = 0; i < 3; ++i) {
+      const uint32_t refs = ref_at[i][o];
+      Transfer* to = whole[i]->transfers.data() + transfer_at[i][o];
+      for (const Transfer& t : part[i]->transfers) {
+        Transfer moved = t;
+        moved.src_begin += refs;
+        moved.dst_begin += refs;
+        *to++ = moved;
+      }
+      if (!part[i]->refs.empty())
+        std::memcpy(whole[i]->refs.data() + refs, part[i]->refs.data(), part[i]->refs.size() * sizeof(BlockRef));
     }
-    if (!part[i]->refs.empty())
-      std::memcpy(whole[i]->refs.data() + refs, part[i]->refs.data(), part[i]->refs.size() * sizeof(BlockRef));
+    if (!share.scale.weights.empty())
+      std::memcpy(plans->scale.weights.data() + ref_at[1][o], share.scale.weights.data(),
+                  share.scale.weights.size() * sizeof(double));
   }
-  if (!share.scale.weights.empty())
-    std::memcpy(plans.scale.weights.data() + ref_at_[1][o], share.scale.weights.data(),
-                share.scale.weights.size() * sizeof(double));
 }
+}  // namespace
 
 std::string MoeLayoutDisagreement(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
                                   const std::vector<const int32_t*>& slot_source) {
@@ -398,9 +395,7 @@ Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_
   if (const std::string why = MoeLayoutDisagreement(p, pair_slot, slot_source); !why.empty())
     return Status::Error(std::string(kName) + ": " + why);
   for (MoeBackwardShare& share : plans->shares) FillMoeBackwardWeights(p, weights, &share);
-  MoeBackwardJoin join(p, shares, plans);
-  join.Layout();
-  for (int o = 0; o < n; ++o) join.Join(o);
+  JoinShares(p, shares, plans);
   return Status::Ok();
 }
 
@@ -423,22 +418,13 @@ Status MoeSlotSources(const MoeOpShape& p, const std::vector<const int32_t*>& pa
   return Status::Ok();
 }
 
-void PartitionMoeBackwardPlan(const MoeOpShape& p, MoeBackwardPlans* plans, int which, double descriptor_us,
-                              double sdma_gbps) {
-  if (which == 0) {
-    Plan& carry = plans->carry;
-    carry.on_sdma = PlanMovesOnSdma(carry, 1, p.engines, descriptor_us, sdma_gbps);
-    Partition(carry, carry.on_sdma ? p.engines : p.cores, p.planner);
-  } else if (which == 1) {
-    Partition(plans->scale, p.cores, p.planner);
-  } else {
-    Partition(plans->dots, p.cores, p.planner, /*align=*/plans->dots.block_bytes);
-  }
-}
-
 void PartitionMoeBackwardPlans(const MoeOpShape& p, MoeBackwardPlans* plans, double descriptor_us,
                                double sdma_gbps) {
-  for (int which = 0; which < 3; ++which) PartitionMoeBackwardPlan(p, plans, which, descriptor_us, sdma_gbps);
+  Plan& carry = plans->carry;
+  carry.on_sdma = PlanMovesOnSdma(carry, 1, p.engines, descriptor_us, sdma_gbps);
+  Partition(carry, carry.on_sdma ? p.engines : p.cores, p.planner);
+  Partition(plans->scale, p.cores, p.planner);
+  Partition(plans->dots, p.cores, p.planner, /*align=*/plans->dots.block_bytes);
 }
 
 }  // namespace strata

@@ -101,25 +101,6 @@ struct MoeBackwardPlans {
   std::vector<MoeBackwardShare> shares;
 };
 
-// The shares joined into the group's plans in steps that may run in
-// parallel: Layout (serial, sizes only),
-// then Join(o) for every owner (copies share o in place). The shares'
-// weights must be filled first.
-class MoeBackwardJoin {
- public:
-  MoeBackwardJoin(const MoeOpShape& p, std::vector<const MoeBackwardShare*> shares, MoeBackwardPlans* plans);
-  void Layout();
-  void Join(int o);
-
- private:
-  MoeOpShape p_;
-  std::vector<const MoeBackwardShare*> shares_;
-  MoeBackwardPlans* plans_;
-  // Per owner, after Layout: where its share's transfers and refs go in
-  // each plan (carry, scale, dots).
-  std::vector<uint32_t> transfer_at_[3], ref_at_[3];
-};
-
 // Whether one dispatch's two fields describe one layout: every kept pair's
 // slot names that pair as its source, and as many slots have a source as
 // pairs have a slot (so every filled slot's source points back at it; in
@@ -150,14 +131,10 @@ Status BuildMoeBackwardPlans(const MoeOpShape& p, const std::vector<const int32_
 Status MoeSlotSources(const MoeOpShape& p, const std::vector<const int32_t*>& pair_slot,
                       std::vector<std::vector<int32_t>>* slot_source);
 
-// Partitions plan `which` (0 carry, 1 scale, 2 dots) as the model times it
-// (the runtime's shares credit the same lanes): the carry on SDMA engines or cores by the movement rule
-// (MovesOnSdma over the busiest rank's bytes, with these figures), scale
-// and dots on cores (dots cut only between products). The three are
-// independent.
-void PartitionMoeBackwardPlan(const MoeOpShape& p, MoeBackwardPlans* plans, int which,
-                              double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
-// All three.
+// Partitions the three plans as the model times them (the runtime's shares
+// credit the same lanes): the carry on SDMA engines or cores by the movement
+// rule (MovesOnSdma over the busiest rank's bytes, with these figures),
+// scale and dots on cores (dots cut only between products).
 void PartitionMoeBackwardPlans(const MoeOpShape& p, MoeBackwardPlans* plans,
                                double descriptor_us = kSdmaDescriptorUs, double sdma_gbps = kSdmaGbps);
 

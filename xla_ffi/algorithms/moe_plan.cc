@@ -74,6 +74,10 @@ void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
   thread_local std::vector<int32_t> thread_lead_of;
   if (thread_lead_of.size() < static_cast<size_t>(p_.group_size)) thread_lead_of.assign(p_.group_size, -1);
   int32_t* const lead_of = thread_lead_of.data();
+  auto forget = [&](int64_t first, int64_t end) {  // pairs [first, end)'s entries, whose slots are good
+    for (int64_t i = first; i < end; ++i)
+      if (pair_slot[i] != -1) lead_of[owner_of(pair_slot[i])] = -1;
+  };
   int64_t carried = 0, kept = 0;  // the rank's leads (rows it sends) and kept pairs
   for (int64_t token = 0, first = 0; first < pairs; ++token, first += k_top) {
     for (int64_t i = first; i < first + k_top; ++i) {
@@ -81,8 +85,7 @@ void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
       if (slot == -1) continue;
       if (slot < -1 || slot >= slots_) {
         bad_[r] = 1;
-        for (int64_t j = first; j < i; ++j)  // leave the table as found
-          if (pair_slot[j] != -1) lead_of[owner_of(pair_slot[j])] = -1;
+        forget(first, i);  // the table as found
         return;
       }
       // Plain stores: ranks fill disjoint slots unless the slots are bad. A
@@ -96,8 +99,7 @@ void MoeDispatchPlanBuilder::Sources(int r, const int32_t* pair_slot) {
       lead_of[owner] = led_by < 0 ? slot : led_by;
       carried += led_by < 0;
     }
-    for (int64_t i = first; i < first + k_top; ++i)
-      if (pair_slot[i] != -1) lead_of[owner_of(pair_slot[i])] = -1;
+    forget(first, first + k_top);
   }
   leads_[r] = carried;
   kept_[r] = kept;
